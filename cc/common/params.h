@@ -1,0 +1,78 @@
+// Flat parameter structs of the three custom calls. Every pointer names its shape and dtype; sizes are
+// plain ints. Filled once per call by cc/ffi/*_binding.h from the XLA FFI buffers; read by the CPU
+// handlers (cc/cpu) and the CUDA kernels (cc/cuda, cc/sm90) alike.
+//
+// Notation: T = total_q, Hq = query heads, Hkv = KV heads, G = Hq / Hkv, D = head_dim, K = top-k,
+// B = requests, MB = max_blocks (block_table width), P = pages, R = B * MB (plan rows).
+#pragma once
+#include <cstdint>
+
+#include "common/kv_format.h"
+
+namespace jax_msa {
+
+// The three fp32 scalars that travel as one device buffer so that per-layer scales never retrace.
+enum ScaleIndex : int { kQScale = 0, kKScale = 1, kVScale = 2, kNumScales = 3 };
+
+struct PrefillParams {
+  // ---- inputs
+  const void* q;                    // [T, Hq, D] bf16 bits, or e4m3 when q_is_fp8 (q = e4m3 * q_scale)
+  const void* kv_cache;             // see kv_format.h; format = kv_format
+  const float* scales;              // [3] fp32: q_scale, k_scale, v_scale
+  const int32_t* cu_seqlens_q;      // [B + 1]
+  const int32_t* seq_lens;          // [B] total KV length per request (new tokens included)
+  const int32_t* block_table;       // [B, MB] logical block -> physical page
+  // ---- the KV-block-major plan (jax_msa/plan.py; read only through PlanView in plan_view.h)
+  const int32_t* row_ptr;           // [Hkv, R + 1] CSR row pointers; row = b * MB + block
+  const int32_t* edge_query;        // [Hkv, T * K] query token of each edge, CSR order
+  const int32_t* edge_rank;         // [Hkv, T * K] partial slot of each edge within its query
+  const int32_t* query_edge_count;  // [Hkv, T] partials per (head, query)
+  const int32_t* work;              // [W, 4] (head, row, edge_begin, edge_count), largest first
+  const int32_t* num_work;          // [1] valid work items (read on device)
+  // ---- outputs
+  uint16_t* out;                    // [T, Hq, D] bf16 bits
+  float* lse;                       // [T, Hq] natural log; -inf for empty selections
+  float* partial_o;                 // [T, Hkv, K, G, D] fp32 workspace: normalized partial outputs
+  float* partial_lse;               // [T, Hkv, K, G]   fp32 workspace
+  // ---- sizes
+  int total_q, num_q_heads, num_kv_heads, head_dim, topk;
+  int batch, max_blocks, work_capacity;
+  int64_t num_pages;
+  float softmax_scale;
+  KvFormat kv_format;
+  bool q_is_fp8;
+};
+
+struct DecodeParams {
+  // ---- inputs
+  const void* q;                    // [B * QL, Hq, D] bf16 bits, or e4m3 when q_is_fp8
+  const void* kv_cache;             // see kv_format.h
+  const float* scales;              // [3] fp32: q_scale, k_scale, v_scale
+  const int32_t* topk_ids;          // [Hkv, B * QL, K] request-local block ids, -1 = hole
+  const int32_t* seq_lens;          // [B]
+  const int32_t* block_table;       // [B, MB]
+  // ---- outputs
+  uint16_t* out;                    // [B * QL, Hq, D] bf16 bits
+  float* lse;                       // [B * QL, Hq]
+  float* partial_o;                 // [S, B * QL, Hq, D] fp32 split-K workspace (GPU; S = num_splits)
+  float* partial_lse;               // [S, B * QL, Hq]
+  // ---- sizes
+  int batch, q_len, num_q_heads, num_kv_heads, head_dim, topk, max_blocks, num_splits;
+  int64_t num_pages;
+  float softmax_scale;
+  KvFormat kv_format;
+  bool q_is_fp8;
+};
+
+struct WriteKvParams {
+  void* kv_cache;                   // the cache, updated in place (aliased input 0 -> output 0)
+  const uint16_t* k;                // [N, Hkv, D] bf16 bits
+  const uint16_t* v;                // [N, Hkv, D] bf16 bits
+  const int32_t* slot_mapping;      // [N] page * 128 + offset; negative or beyond the cache = skip
+  const float* scales;              // [3] fp32: (unused), k_scale, v_scale
+  int num_tokens, num_kv_heads, head_dim;
+  int64_t num_pages;
+  KvFormat kv_format;
+};
+
+}  // namespace jax_msa

@@ -1,0 +1,213 @@
+// XLA FFI signatures of the three custom calls and their translation into the flat params structs.
+// One signature per op, shared by the CPU and the CUDA registration (the CUDA one adds a stream).
+// Python side: jax_msa/_ffi.py is the only module that builds these calls; argument order, dtypes and
+// attribute names here and there must agree.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "common/params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_msa::ffi_bind {
+
+namespace ffi = xla::ffi;
+
+using I32Buffer = ffi::Buffer<ffi::S32>;
+using F32Buffer = ffi::Buffer<ffi::F32>;
+
+inline int64_t dim(const ffi::AnyBuffer& b, int i) { return b.dimensions()[i]; }
+inline int rank(const ffi::AnyBuffer& b) { return int(b.dimensions().size()); }
+
+inline ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidArgument("jax_msa: " + what); }
+
+inline bool is_fp8(const ffi::AnyBuffer& b) { return b.element_type() == ffi::DataType::F8E4M3FN; }
+
+// Checks the query and cache (format, rank, dtype, head_dim); fills q/cache fields shared by the ops.
+template <typename P>
+ffi::Error bind_q_and_cache(P& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& cache, int32_t kv_format) {
+  if (rank(q) != 3) return invalid("q must be [tokens, Hq, D]");
+  if (q.element_type() != ffi::DataType::BF16 && !is_fp8(q)) return invalid("q must be bf16 or float8_e4m3fn");
+  if (rank(cache) != 4 || dim(cache, 2) != kPageSize) return invalid("kv_cache must be [pages, heads, 128, bytes]");
+  p.q = q.untyped_data();
+  p.q_is_fp8 = is_fp8(q);
+  p.kv_cache = cache.untyped_data();
+  p.num_q_heads = int(dim(q, 1));
+  p.head_dim = int(dim(q, 2));
+  p.num_pages = dim(cache, 0);
+  p.kv_format = KvFormat(kv_format);
+  const int64_t D = p.head_dim;
+  switch (p.kv_format) {
+    case KvFormat::kBf16:
+    case KvFormat::kFp8:
+      if (cache.element_type() != (p.kv_format == KvFormat::kBf16 ? ffi::DataType::BF16 : ffi::DataType::F8E4M3FN))
+        return invalid("kv_cache dtype does not match kv_format");
+      if (dim(cache, 3) != 2 * D) return invalid("kv_cache last dim must be 2*D");
+      p.num_kv_heads = int(dim(cache, 1));
+      break;
+    case KvFormat::kNvfp4:
+      if (cache.element_type() != ffi::DataType::U8) return invalid("an NVFP4 kv_cache must be uint8");
+      if (D % 16 != 0 || dim(cache, 3) != D / 2 + D / 16 || dim(cache, 1) % 2 != 0)
+        return invalid("an NVFP4 kv_cache must be [pages, 2*Hkv, 128, D/2 + D/16]");
+      p.num_kv_heads = int(dim(cache, 1) / 2);
+      break;
+    default:
+      return invalid("unknown kv_format");
+  }
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return invalid("Hq must be a multiple of Hkv");
+  return ffi::Error::Success();
+}
+
+// ---- prefill ------------------------------------------------------------------------------------------
+// args: q, kv_cache, scales[3], cu_seqlens_q[B+1], seq_lens[B], block_table[B,MB],
+//       row_ptr, edge_query, edge_rank, query_edge_count, work, num_work
+// rets: out[T,Hq,D] bf16, lse[T,Hq] f32, partial_o[T,Hkv,K,G,D] f32, partial_lse[T,Hkv,K,G] f32
+// attrs: softmax_scale (f32), kv_format (i32)
+template <typename B>
+auto prefill_signature(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Ret<F32Buffer>()
+      .template Ret<F32Buffer>()
+      .template Ret<F32Buffer>()
+      .template Attr<float>("softmax_scale")
+      .template Attr<int32_t>("kv_format");
+}
+
+inline ffi::Error make_prefill_params(
+    PrefillParams& p, ffi::AnyBuffer q, ffi::AnyBuffer cache, F32Buffer scales, I32Buffer cu_seqlens_q,
+    I32Buffer seq_lens, I32Buffer block_table, I32Buffer row_ptr, I32Buffer edge_query, I32Buffer edge_rank,
+    I32Buffer query_edge_count, I32Buffer work, I32Buffer num_work, ffi::ResultBuffer<ffi::BF16> out,
+    ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
+    float softmax_scale, int32_t kv_format) {
+  p = PrefillParams{};
+  if (auto e = bind_q_and_cache(p, q, cache, kv_format); e.failure()) return e;
+  p.total_q = int(dim(q, 0));
+  p.batch = int(seq_lens.dimensions()[0]);
+  if (cu_seqlens_q.dimensions()[0] != p.batch + 1) return invalid("cu_seqlens_q must be [B+1]");
+  if (block_table.dimensions().size() != 2 || block_table.dimensions()[0] != p.batch)
+    return invalid("block_table must be [B, max_blocks]");
+  p.max_blocks = int(block_table.dimensions()[1]);
+  if (edge_query.dimensions().size() != 2 || edge_query.dimensions()[0] != p.num_kv_heads)
+    return invalid("plan.edge_query must be [Hkv, T*K]");
+  p.topk = p.total_q > 0 ? int(edge_query.dimensions()[1] / p.total_q) : 0;
+  if (row_ptr.dimensions()[1] != int64_t(p.batch) * p.max_blocks + 1) return invalid("plan.row_ptr must be [Hkv, R+1]");
+  if (work.dimensions().size() != 2 || work.dimensions()[1] != 4) return invalid("plan.work must be [W, 4]");
+  p.work_capacity = int(work.dimensions()[0]);
+  p.scales = scales.typed_data();
+  p.cu_seqlens_q = cu_seqlens_q.typed_data();
+  p.seq_lens = seq_lens.typed_data();
+  p.block_table = block_table.typed_data();
+  p.row_ptr = row_ptr.typed_data();
+  p.edge_query = edge_query.typed_data();
+  p.edge_rank = edge_rank.typed_data();
+  p.query_edge_count = query_edge_count.typed_data();
+  p.work = work.typed_data();
+  p.num_work = num_work.typed_data();
+  p.out = out->typed_data();
+  p.lse = lse->typed_data();
+  p.partial_o = partial_o->typed_data();
+  p.partial_lse = partial_lse->typed_data();
+  p.softmax_scale = softmax_scale;
+  return ffi::Error::Success();
+}
+
+// ---- decode -------------------------------------------------------------------------------------------
+// args: q[B*QL,Hq,D], kv_cache, scales[3], topk[Hkv,B*QL,K], seq_lens[B], block_table[B,MB]
+// rets: out[B*QL,Hq,D] bf16, lse[B*QL,Hq] f32, partial_o[S,B*QL,Hq,D] f32, partial_lse[S,B*QL,Hq] f32
+// attrs: softmax_scale (f32), kv_format (i32), decode_query_len (i32)
+template <typename B>
+auto decode_signature(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Ret<F32Buffer>()
+      .template Ret<F32Buffer>()
+      .template Ret<F32Buffer>()
+      .template Attr<float>("softmax_scale")
+      .template Attr<int32_t>("kv_format")
+      .template Attr<int32_t>("decode_query_len");
+}
+
+inline ffi::Error make_decode_params(DecodeParams& p, ffi::AnyBuffer q, ffi::AnyBuffer cache, F32Buffer scales,
+                                     I32Buffer topk, I32Buffer seq_lens, I32Buffer block_table,
+                                     ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> lse,
+                                     ffi::ResultBuffer<ffi::F32> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
+                                     float softmax_scale, int32_t kv_format, int32_t decode_query_len) {
+  p = DecodeParams{};
+  if (auto e = bind_q_and_cache(p, q, cache, kv_format); e.failure()) return e;
+  p.batch = int(seq_lens.dimensions()[0]);
+  p.q_len = decode_query_len;
+  if (p.q_len < 1 || int64_t(p.batch) * p.q_len != dim(q, 0)) return invalid("q must be [B*decode_query_len, Hq, D]");
+  if (topk.dimensions().size() != 3 || topk.dimensions()[0] != p.num_kv_heads || topk.dimensions()[1] != dim(q, 0))
+    return invalid("topk must be [Hkv, B*decode_query_len, K]");
+  p.topk = int(topk.dimensions()[2]);
+  if (block_table.dimensions().size() != 2 || block_table.dimensions()[0] != p.batch)
+    return invalid("block_table must be [B, max_blocks]");
+  p.max_blocks = int(block_table.dimensions()[1]);
+  p.num_splits = partial_lse->dimensions().size() == 3 ? int(partial_lse->dimensions()[0]) : 0;
+  p.scales = scales.typed_data();
+  p.topk_ids = topk.typed_data();
+  p.seq_lens = seq_lens.typed_data();
+  p.block_table = block_table.typed_data();
+  p.out = out->typed_data();
+  p.lse = lse->typed_data();
+  p.partial_o = partial_o->typed_data();
+  p.partial_lse = partial_lse->typed_data();
+  p.softmax_scale = softmax_scale;
+  return ffi::Error::Success();
+}
+
+// ---- write_kv -----------------------------------------------------------------------------------------
+// args: kv_cache (aliased to ret 0), k[N,Hkv,D] bf16, v[N,Hkv,D] bf16, slot_mapping[N] i32, scales[3] f32
+// rets: kv_cache
+// attrs: kv_format (i32)
+template <typename B>
+auto write_kv_signature(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<I32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("kv_format");
+}
+
+inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::BF16> k,
+                                       ffi::Buffer<ffi::BF16> v, I32Buffer slot_mapping, F32Buffer scales,
+                                       ffi::Result<ffi::AnyBuffer> cache_out, int32_t kv_format) {
+  p = WriteKvParams{};
+  if (cache_out->untyped_data() != cache_in.untyped_data())
+    return invalid("write_kv expects its cache output aliased to its cache input");
+  if (k.dimensions().size() != 3) return invalid("k must be [N, Hkv, D]");
+  p.kv_cache = cache_out->untyped_data();
+  p.k = k.typed_data();
+  p.v = v.typed_data();
+  p.slot_mapping = slot_mapping.typed_data();
+  p.scales = scales.typed_data();
+  p.num_tokens = int(k.dimensions()[0]);
+  p.num_kv_heads = int(k.dimensions()[1]);
+  p.head_dim = int(k.dimensions()[2]);
+  p.num_pages = cache_in.dimensions()[0];
+  p.kv_format = KvFormat(kv_format);
+  if (kv_format < 0 || kv_format > 2) return invalid("unknown kv_format");
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_msa::ffi_bind

@@ -1,0 +1,25 @@
+// Helpers shared by the two nanobind extension modules: handler capsules and the build's ABI facts.
+#pragma once
+#include <nanobind/nanobind.h>
+
+#include <type_traits>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace jax_msa::ffi_bind {
+
+// jax.ffi.register_ffi_target takes a PyCapsule wrapping the handler's function pointer.
+template <typename Fn>
+nanobind::capsule capsule(Fn* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>, "not an XLA FFI handler");
+  return nanobind::capsule(reinterpret_cast<void*>(fn));
+}
+
+// The XLA FFI API version these handlers were compiled against; the import-time guard in
+// jax_msa/_ffi.py compares it with the running jaxlib's before anything is registered.
+inline void add_version_info(nanobind::module_& m) {
+  m.attr("XLA_FFI_API_MAJOR") = int(XLA_FFI_API_MAJOR);
+  m.attr("XLA_FFI_API_MINOR") = int(XLA_FFI_API_MINOR);
+}
+
+}  // namespace jax_msa::ffi_bind

@@ -1,0 +1,171 @@
+"""The one module that touches ``jax.ffi``: loads the extension modules, guards the FFI ABI, registers
+the handlers and builds the ``ffi_call``s of the three custom calls.
+
+Targets (the same name for platform ``cpu`` and ``CUDA``):
+
+==================== ===================================================================================
+jax_msa_prefill      q, kv_cache, scales[3], cu_seqlens_q, seq_lens, block_table, plan arrays (6)
+                     -> out bf16 [T,Hq,D], lse f32 [T,Hq], partial workspaces (2)
+jax_msa_decode       q, kv_cache, scales[3], topk, seq_lens, block_table
+                     -> out, lse, split-K workspaces (2)
+jax_msa_write_kv     kv_cache (aliased), k, v, slot_mapping, scales[3] -> kv_cache
+==================== ===================================================================================
+
+The C++ side of these signatures is ``cc/ffi/bindings.h``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET_PREFILL = "jax_msa_prefill"
+TARGET_DECODE = "jax_msa_decode"
+TARGET_WRITE_KV = "jax_msa_write_kv"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ABI guard and registration
+# ---------------------------------------------------------------------------------------------------------
+
+def _running_ffi_api_version() -> tuple[int, int] | None:
+    """(major, minor) of the XLA FFI C API of the running jaxlib, read from the headers it ships."""
+    try:
+        header = os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")
+        with open(header) as f:
+            text = f.read()
+    except OSError:
+        return None
+    major = re.search(r"#define\s+XLA_FFI_API_MAJOR\s+(\d+)", text)
+    minor = re.search(r"#define\s+XLA_FFI_API_MINOR\s+(\d+)", text)
+    if not (major and minor):
+        return None
+    return int(major.group(1)), int(minor.group(1))
+
+
+def _check_abi(module, name: str) -> None:
+    built = (int(module.XLA_FFI_API_MAJOR), int(module.XLA_FFI_API_MINOR))
+    running = _running_ffi_api_version()
+    if running is None:
+        return
+    if built[0] != running[0] or built[1] > running[1]:
+        import jaxlib
+
+        raise ImportError(
+            f"jax_msa: the extension {name} was built against XLA FFI API {built[0]}.{built[1]}, but the "
+            f"running jaxlib {jaxlib.__version__} provides API {running[0]}.{running[1]}. Handlers built "
+            f"against newer FFI headers than the running jaxlib crash the backend. Rebuild jax_msa against "
+            f"this jaxlib's headers (pip install --force-reinstall --no-binary jax_msa jax_msa) or upgrade jaxlib.")
+
+
+def _load():
+    from jax_msa import _jax_msa_cpu  # always built
+
+    _check_abi(_jax_msa_cpu, "_jax_msa_cpu")
+    for target, capsule in _jax_msa_cpu.registrations().items():
+        jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+    try:
+        from jax_msa import _jax_msa_cuda
+    except ImportError:
+        return None
+    _check_abi(_jax_msa_cuda, "_jax_msa_cuda")
+    for target, capsule in _jax_msa_cuda.registrations().items():
+        jax.ffi.register_ffi_target(target, capsule, platform="CUDA")
+    return _jax_msa_cuda
+
+
+_cuda_module = _load()
+
+
+def cuda_available() -> bool:
+    """True when the CUDA handlers were built into this installation (a GPU is not required)."""
+    return _cuda_module is not None
+
+
+def cuda_targets() -> frozenset:
+    """Names of the custom calls that have a CUDA handler in this build."""
+    if _cuda_module is None:
+        return frozenset()
+    return frozenset(_cuda_module.registrations().keys())
+
+
+def cuda_archs() -> tuple[str, ...]:
+    """The CUDA architectures compiled into this build (e.g. ('90a',)), empty without CUDA."""
+    if _cuda_module is None:
+        return ()
+    return tuple(_cuda_module.compiled_archs())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Calls
+# ---------------------------------------------------------------------------------------------------------
+
+def pack_scales(q_scale, k_scale, v_scale):
+    """The fp32 scales travel as one traced [3] buffer so per-layer values never retrace."""
+    def one(x):
+        return jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(())
+    return jnp.stack([one(q_scale), one(k_scale), one(v_scale)])
+
+
+class DecodeWorkspace(NamedTuple):
+    num_splits: int  # split-K partial sets; 0 = the handler needs no workspace
+
+
+def prefill_call(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table, plan, *, softmax_scale: float,
+                 kv_format: int, partials: bool = True):
+    """The prefill custom call for the backend being lowered. Returns (out, lse)."""
+    t, hq, d = q.shape
+    hkv = plan.num_kv_heads
+    g = hq // hkv
+    k = plan.topk
+    # fp32 partial workspaces: one normalized (O, lse) per (query, head group, selected block).
+    po = jax.ShapeDtypeStruct((t, hkv, k, g, d) if partials else (0,), jnp.float32)
+    pl = jax.ShapeDtypeStruct((t, hkv, k, g) if partials else (0,), jnp.float32)
+    call = jax.ffi.ffi_call(
+        TARGET_PREFILL,
+        (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, hq), jnp.float32), po, pl),
+        vmap_method="sequential")
+    out, lse, _, _ = call(q, kv_cache, scales, cu_seqlens_q.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                          block_table.astype(jnp.int32), plan.row_ptr, plan.edge_query, plan.edge_rank,
+                          plan.query_edge_count, plan.work, plan.num_work,
+                          softmax_scale=np.float32(softmax_scale), kv_format=np.int32(kv_format))
+    return out, lse
+
+
+def decode_call(q, kv_cache, scales, topk, seq_lens, block_table, *, softmax_scale: float, kv_format: int,
+                decode_query_len: int, workspace: DecodeWorkspace):
+    """The decode custom call. Returns (out, lse)."""
+    t, hq, d = q.shape
+    s = workspace.num_splits
+    po = jax.ShapeDtypeStruct((s, t, hq, d) if s else (0,), jnp.float32)
+    pl = jax.ShapeDtypeStruct((s, t, hq) if s else (0,), jnp.float32)
+    call = jax.ffi.ffi_call(
+        TARGET_DECODE,
+        (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, hq), jnp.float32), po, pl),
+        vmap_method="sequential")
+    out, lse, _, _ = call(q, kv_cache, scales, topk.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                          block_table.astype(jnp.int32), softmax_scale=np.float32(softmax_scale),
+                          kv_format=np.int32(kv_format), decode_query_len=np.int32(decode_query_len))
+    return out, lse
+
+
+def write_kv_call(kv_cache, k, v, slot_mapping, scales, *, kv_format: int):
+    """The write_kv custom call; the cache is input 0 aliased to output 0 (in place under donation)."""
+    call = jax.ffi.ffi_call(
+        TARGET_WRITE_KV, jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+        input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(kv_cache, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), slot_mapping.astype(jnp.int32), scales,
+                kv_format=np.int32(kv_format))
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    import warnings
+
+    warnings.warn(message, RuntimeWarning, stacklevel=4)

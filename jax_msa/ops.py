@@ -1,0 +1,179 @@
+"""The public ops: sparse_attention (prefill), sparse_decode and write_kv.
+
+Each op validates its arguments at trace time, then lowers per platform through
+``jax.lax.platform_dependent``: the custom call where a handler exists for that platform and shape (the
+C++ handler on CPU, the CUDA kernels on GPU), the jnp reference elsewhere. ``impl="reference"`` always
+takes the reference; ``impl="kernel"`` raises when the default backend has no kernel for the call.
+The ops are forward-only: differentiating them raises a clear error.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_msa import _ffi, _validation, reference
+from jax_msa import kv_cache as kvc
+from jax_msa.plan import PrefillPlan, build_prefill_plan, default_queries_per_tile
+
+_IMPLS = ("auto", "kernel", "reference")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which platform has a kernel for which call (static facts of the build and the shapes)
+# ---------------------------------------------------------------------------------------------------------
+
+def _cuda_decode_supported(cfg, q_len: int) -> bool:
+    return (_ffi.TARGET_DECODE in _ffi.cuda_targets() and cfg.head_dim == 128 and 16 % cfg.group_size == 0
+            and 1 <= q_len <= 8 and cfg.topk <= 32 and q_len * cfg.group_size <= 64)
+
+
+def _cuda_prefill_supported(cfg) -> bool:
+    return (_ffi.TARGET_PREFILL in _ffi.cuda_targets() and cfg.head_dim == 128
+            and cfg.group_size in (8, 16) and cfg.topk <= 32)
+
+
+def _cuda_write_kv_supported(head_dim: int) -> bool:
+    return _ffi.TARGET_WRITE_KV in _ffi.cuda_targets() and head_dim % 16 == 0 and head_dim <= 256
+
+
+def _default_platform() -> str:
+    backend = jax.default_backend()
+    if backend == "gpu":
+        version = getattr(jax.devices()[0].client, "platform_version", "").lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return backend
+
+
+def _dispatch(name: str, impl: str, kernels: dict, reference_fn, *args):
+    """kernels: platform -> callable(*args) for the platforms that have a kernel for this call."""
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}; got {impl!r}")
+    if impl == "reference":
+        return reference_fn(*args)
+    here = _default_platform()
+    if here not in kernels:
+        if impl == "kernel":
+            raise NotImplementedError(
+                f"jax_msa.{name}: no kernel for platform '{here}' and these shapes/formats "
+                f"(kernels here: {sorted(kernels) or 'none'}); use impl='auto' or impl='reference'")
+        _ffi.warn_once(f"jax_msa.{name}: no kernel for platform '{here}' with these shapes/formats; "
+                       f"using the jnp reference (slow).")
+    return jax.lax.platform_dependent(*args, default=reference_fn, **kernels)
+
+
+def _forward_only(name: str, fn):
+    """fn(*arrays) with a JVP rule that explains the ops are forward-only."""
+    wrapped = jax.custom_jvp(fn)
+
+    def jvp(primals, tangents):
+        raise TypeError(f"jax_msa.{name} is a forward-only primitive (inference kernels): it has no "
+                        f"gradient. Differentiate jax_msa.reference.{name} instead if you need one.")
+
+    wrapped.defjvp(jvp)
+    return wrapped
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public ops
+# ---------------------------------------------------------------------------------------------------------
+
+def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, scale=None, return_lse=False,
+                     plan: PrefillPlan | None = None, impl="auto", k_scale=None, v_scale=None, q_scale=None):
+    """MSA prefill / chunked prefill over a varlen batch (MSA.md section 2).
+
+    q [total_q, Hq, D] bf16 (or float8_e4m3fn with q_scale); kv_cache in any of the three formats;
+    topk [Hkv, total_q, K] int32 request-local block ids (-1 = hole); cu_seqlens_q [B+1]; seq_lens [B]
+    (total KV length, new tokens included); block_table [B, max_blocks]. Returns bf16 out [total_q, Hq, D]
+    and, with return_lse, fp32 lse [total_q, Hq].
+    """
+    cfg = _validation.check_attention(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table,
+                                      q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+    softmax_scale = cfg.head_dim**-0.5 if scale is None else float(scale)
+    scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
+
+    def ref(q, kv_cache, topk, cu, sl, bt, scales, plan):
+        return reference.sparse_attention(q, kv_cache, topk, cu_seqlens_q=cu, seq_lens=sl, block_table=bt,
+                                          scale=softmax_scale, return_lse=True, q_scale=scales[0],
+                                          k_scale=scales[1], v_scale=scales[2])
+
+    if impl == "reference":
+        out, lse = ref(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table, scales, None)
+        return (out, lse) if return_lse else out
+
+    if plan is None:
+        plan = build_prefill_plan(topk, cu_seqlens_q, seq_lens, max_blocks=cfg.max_blocks,
+                                  queries_per_tile=default_queries_per_tile(cfg.num_q_heads, cfg.num_kv_heads))
+    else:
+        _validation.check_plan(plan, cfg)
+
+    def kernel(q, kv_cache, topk, cu, sl, bt, scales, plan):
+        return _ffi.prefill_call(q, kv_cache, scales, cu, sl, bt, plan, softmax_scale=softmax_scale,
+                                 kv_format=int(cfg.kv_format))
+
+    kernels = {"cpu": kernel}
+    if _cuda_prefill_supported(cfg):
+        kernels["cuda"] = kernel
+    fn = _forward_only("sparse_attention",
+                       lambda *a: _dispatch("sparse_attention", impl, kernels, ref, *a))
+    out, lse = fn(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table, scales, plan)
+    return (out, lse) if return_lse else out
+
+
+def decode_num_splits(cfg, q_len: int) -> int:
+    """Split-K factor of the CUDA decode kernel: enough CTAs to fill the H200's 132 SMs when the batch
+    alone does not, never more splits than selected blocks."""
+    ctas = cfg.batch * cfg.num_kv_heads
+    if ctas >= 132:
+        return 1
+    want = -(-2 * 132 // max(ctas, 1))
+    return max(1, min(cfg.topk, want))
+
+
+def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=1, scale=None, return_lse=False,
+                  impl="auto", k_scale=None, v_scale=None, q_scale=None):
+    """MSA decode (speculative tokens: decode_query_len > 1). q [B * decode_query_len, Hq, D];
+    topk [Hkv, B * decode_query_len, K]. Token i of request b sits at seq_len_b - decode_query_len + i."""
+    cfg = _validation.check_decode(q, kv_cache, topk, seq_lens, block_table, decode_query_len,
+                                   q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+    softmax_scale = cfg.head_dim**-0.5 if scale is None else float(scale)
+    scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
+
+    def ref(q, kv_cache, topk, sl, bt, scales):
+        return reference.sparse_decode(q, kv_cache, topk, seq_lens=sl, block_table=bt,
+                                       decode_query_len=decode_query_len, scale=softmax_scale, return_lse=True,
+                                       q_scale=scales[0], k_scale=scales[1], v_scale=scales[2])
+
+    def make_kernel(splits):
+        def kernel(q, kv_cache, topk, sl, bt, scales):
+            return _ffi.decode_call(q, kv_cache, scales, topk, sl, bt, softmax_scale=softmax_scale,
+                                    kv_format=int(cfg.kv_format), decode_query_len=decode_query_len,
+                                    workspace=_ffi.DecodeWorkspace(splits))
+        return kernel
+
+    kernels = {"cpu": make_kernel(0)}
+    if _cuda_decode_supported(cfg, decode_query_len):
+        kernels["cuda"] = make_kernel(decode_num_splits(cfg, decode_query_len))
+    fn = _forward_only("sparse_decode", lambda *a: _dispatch("sparse_decode", impl, kernels, ref, *a))
+    out, lse = fn(q, kv_cache, topk, seq_lens, block_table, scales)
+    return (out, lse) if return_lse else out
+
+
+def write_kv(kv_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None, impl="auto"):
+    """Writes new tokens k, v [N, Hkv, D] into the cache at slot_mapping [N] (slot = page * 128 + offset;
+    a negative slot, or one beyond the cache, is skipped), quantizing for FP8 / NVFP4 caches. Returns the
+    updated cache; under jit with the cache donated the update is in place."""
+    fmt = _validation.check_write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
+    scales = _ffi.pack_scales(None, k_scale, v_scale)
+
+    def ref(cache, k, v, slots, scales):
+        return kvc.write_kv_reference(cache, k, v, slots, k_scale=scales[1], v_scale=scales[2])
+
+    def kernel(cache, k, v, slots, scales):
+        return _ffi.write_kv_call(cache, k, v, slots, scales, kv_format=int(fmt))
+
+    kernels = {"cpu": kernel}
+    if _cuda_write_kv_supported(k.shape[-1]):
+        kernels["cuda"] = kernel
+    fn = _forward_only("write_kv", lambda *a: _dispatch("write_kv", impl, kernels, ref, *a))
+    return fn(kv_cache, k, v, slot_mapping, scales)

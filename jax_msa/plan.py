@@ -1,0 +1,143 @@
+"""The KV-block-major prefill plan (MSA.md section 5), built in jnp under jit with static capacities.
+
+This is the one Python module that writes (and reads) the plan arrays; on the device side
+``cc/common/plan_view.h`` is their one reader.
+
+Per KV head g the selected (query, block) pairs are inverted into a CSR matrix whose rows are the
+(request, block) pairs, ``row = b * max_blocks + block``, and whose entries ("edges") are the queries that
+chose the block, in ascending token order. An edge exists for token t, head g and block id when the id is
+in range for t's request (0 <= id < min(ceil(seq_len/128), max_blocks)), the block has a causally visible
+key (128 * id <= pos(t)), and it is the first copy of the id in the row (set semantics). Holes, ids out of
+range, causally invisible blocks and duplicates make no edge.
+
+Arrays (T = total_q, K = top-k, R = B * max_blocks, E = T * K, W = work capacity):
+
+=================== ================= ==============================================================
+row_ptr             int32 [Hkv, R+1]  CSR row pointers; row_ptr[g, R] = edges of head g
+edge_query          int32 [Hkv, E]    query token of each edge (CSR order); -1 past row_ptr[g, R]
+edge_rank           int32 [Hkv, E]    the edge's slot among its query's partials (0..count-1)
+query_edge_count    int32 [Hkv, T]    partials (selected valid blocks) per (head, query)
+work                int32 [W, 4]      (head, row, edge_begin, edge_count) tiles of at most
+                                      ``queries_per_tile`` queries, largest first; zero past num_work
+num_work            int32 [1]         valid work items
+=================== ================= ==============================================================
+
+W = Hkv * R + ceil(Hkv * E / queries_per_tile), which bounds the tile count of any input. Everything is
+static in the shapes: a new batch of the same shapes reuses the compiled plan (no retrace, no host sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_msa.reference import PAGE_SIZE, prefill_positions, selected_blocks
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+    row_ptr: jax.Array
+    edge_query: jax.Array
+    edge_rank: jax.Array
+    query_edge_count: jax.Array
+    work: jax.Array
+    num_work: jax.Array
+    queries_per_tile: int = dataclasses.field(metadata=dict(static=True))
+    max_blocks: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.row_ptr.shape[0]
+
+    @property
+    def total_q(self) -> int:
+        return self.query_edge_count.shape[1]
+
+    @property
+    def topk(self) -> int:
+        return self.edge_query.shape[1] // max(self.total_q, 1)
+
+    @property
+    def work_capacity(self) -> int:
+        return self.work.shape[0]
+
+
+def work_capacity(num_kv_heads: int, total_q: int, topk: int, batch: int, max_blocks: int,
+                  queries_per_tile: int) -> int:
+    rows = batch * max_blocks
+    return num_kv_heads * rows + math.ceil(num_kv_heads * total_q * topk / queries_per_tile)
+
+
+def default_queries_per_tile(num_q_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per work tile: GQA heads packed into 128 MMA rows (8 tokens x 16 heads for M3)."""
+    return max(1, 128 // max(1, num_q_heads // num_kv_heads))
+
+
+def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries_per_tile: int = 8
+                       ) -> PrefillPlan:
+    """Builds the plan from topk [Hkv, T, K] int32, cu_seqlens_q [B+1], seq_lens [B] (jit-able)."""
+    hkv, t_total, k = topk.shape
+    batch = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (batch + 1,):
+        raise ValueError(f"cu_seqlens_q must be [B+1] = [{batch + 1}]; got {cu_seqlens_q.shape}")
+    if queries_per_tile < 1:
+        raise ValueError(f"queries_per_tile must be >= 1; got {queries_per_tile}")
+    rows = batch * max_blocks
+    edges = t_total * k
+    if max(hkv * (rows + 1), hkv * edges) >= 2**31:
+        raise ValueError("plan too large for int32 indices")
+
+    req, pos, in_batch = prefill_positions(cu_seqlens_q, seq_lens, t_total)
+    seq_lens = seq_lens.astype(jnp.int32)
+    n_blk = jnp.minimum((seq_lens[req] + PAGE_SIZE - 1) // PAGE_SIZE, max_blocks)
+    n_blk = jnp.where(in_batch, n_blk, 0)  # [T]
+
+    # Set semantics per (head, token): sorted ids, first copies of valid ids only.
+    ids = jnp.moveaxis(topk.astype(jnp.int32), 1, 0)  # [T, Hkv, K]
+    blk, valid = jax.vmap(selected_blocks)(ids, n_blk, pos)  # [T, Hkv, K]
+    blk = jnp.moveaxis(blk, 0, 1)  # [Hkv, T, K]
+    valid = jnp.moveaxis(valid, 0, 1)
+    rank = jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1
+    query_edge_count = jnp.sum(valid, axis=-1, dtype=jnp.int32)  # [Hkv, T]
+
+    # Edge keys in (token, k) order; a stable sort keeps tokens ascending within a row.
+    row = req[None, :, None] * max_blocks + jnp.where(valid, blk, 0)
+    key = jnp.where(valid, row, rows).reshape(hkv, edges)
+    order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+    sorted_key = jnp.take_along_axis(key, order, axis=-1)
+    is_edge = sorted_key < rows
+    edge_query = jnp.where(is_edge, order // k, -1)
+    edge_rank = jnp.where(is_edge, jnp.take_along_axis(rank.reshape(hkv, edges), order, axis=-1), -1)
+
+    row_count = jax.vmap(lambda kk: jnp.bincount(kk, length=rows + 1))(key)[:, :rows].astype(jnp.int32)
+    row_ptr = jnp.concatenate(
+        [jnp.zeros((hkv, 1), jnp.int32), jnp.cumsum(row_count, axis=-1, dtype=jnp.int32)], axis=-1)
+
+    # Work tiles: ceil(count / Q) per (head, row); tile w -> its (head, row) by a search over the
+    # inclusive prefix sum of tile counts.
+    qpt = queries_per_tile
+    cap = work_capacity(hkv, t_total, k, batch, max_blocks, qpt)
+    tiles = ((row_count + qpt - 1) // qpt).reshape(-1)  # [Hkv * R]
+    tile_end = jnp.cumsum(tiles, dtype=jnp.int32)
+    num_work = tile_end[-1] if tiles.size else jnp.int32(0)
+    w = jnp.arange(cap, dtype=jnp.int32)
+    gr = jnp.clip(jnp.searchsorted(tile_end, w, side="right").astype(jnp.int32), 0, hkv * rows - 1)
+    j = w - (tile_end[gr] - tiles[gr])
+    g = gr // rows
+    r = gr % rows
+    begin = row_ptr[g, r] + j * qpt
+    count = jnp.clip(row_count[g, r] - j * qpt, 0, qpt)
+    count = jnp.where(w < num_work, count, 0)
+    work = jnp.stack([g, r, begin, count], axis=-1)
+    work = jnp.where((count > 0)[:, None], work, 0)
+    by_size = jnp.argsort(-count, stable=True)  # largest first, ties by (head, row, tile)
+    work = work[by_size]
+
+    return PrefillPlan(row_ptr=row_ptr, edge_query=edge_query, edge_rank=edge_rank,
+                       query_edge_count=query_edge_count, work=work,
+                       num_work=jnp.reshape(num_work, (1,)).astype(jnp.int32),
+                       queries_per_tile=qpt, max_blocks=max_blocks)
