@@ -114,7 +114,7 @@ def pack_scales(q_scale, k_scale, v_scale):
 
 
 class DecodeWorkspace(NamedTuple):
-    num_splits: int  # split-K partial sets; 0 = the handler needs no workspace
+    num_splits: int  # split-K partial sets; <= 1: the handler writes the output directly, no workspace
 
 
 def prefill_call(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table, plan, *, softmax_scale: float,
@@ -143,8 +143,8 @@ def decode_call(q, kv_cache, scales, topk, seq_lens, block_table, *, softmax_sca
     """The decode custom call. Returns (out, lse)."""
     t, hq, d = q.shape
     s = workspace.num_splits
-    po = jax.ShapeDtypeStruct((s, t, hq, d) if s else (0,), jnp.float32)
-    pl = jax.ShapeDtypeStruct((s, t, hq) if s else (0,), jnp.float32)
+    po = jax.ShapeDtypeStruct((s, t, hq, d) if s > 1 else (0,), jnp.float32)
+    pl = jax.ShapeDtypeStruct((s, t, hq) if s > 1 else (0,), jnp.float32)
     call = jax.ffi.ffi_call(
         TARGET_DECODE,
         (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, hq), jnp.float32), po, pl),

@@ -150,7 +150,9 @@ def div_rn(a, b):
     # Select on the bits: XLA's CPU backend treats subnormal floats as zero (and may fold a float select
     # of them), so the result is assembled as an integer and bitcast once.
     a_zero = ma == 0  # not `(ua & 0x7fffffff) == 0`: XLA rewrites that into a float compare
-    finite = (((ua >> 23) & u32(0xFF)) != 0xFF) & (((ub >> 23) & u32(0xFF)) != 0xFF) & ((ub & u32(0x7FFFFFFF)) != 0)
+    # b != 0 on the normalized mantissa too: XLA turns `(ub & 0x7fffffff) != 0` into a float compare that
+    # flushes a subnormal b to zero.
+    finite = (((ua >> 23) & u32(0xFF)) != 0xFF) & (((ub >> 23) & u32(0xFF)) != 0xFF) & (mb != 0)
     fallback = jax.lax.bitcast_convert_type(a / b, u32)
     out = jnp.where(finite, jnp.where(a_zero, sign, bits | sign), fallback)
     return jax.lax.bitcast_convert_type(out, jnp.float32)

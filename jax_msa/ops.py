@@ -24,8 +24,9 @@ _IMPLS = ("auto", "kernel", "reference")
 # ---------------------------------------------------------------------------------------------------------
 
 def _cuda_decode_supported(cfg, q_len: int) -> bool:
+    # cc/sm90/decode: D = 128, the GQA group zero-padded into 16 MMA rows, a top-k row compacted by one warp.
     return (_ffi.TARGET_DECODE in _ffi.cuda_targets() and cfg.head_dim == 128 and 16 % cfg.group_size == 0
-            and 1 <= q_len <= 8 and cfg.topk <= 32 and q_len * cfg.group_size <= 64)
+            and 1 <= cfg.topk <= 32 and cfg.batch * q_len <= 65535)
 
 
 def _cuda_prefill_supported(cfg) -> bool:
@@ -120,14 +121,15 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
     return (out, lse) if return_lse else out
 
 
+H200_SMS = 132
+DECODE_CTAS_PER_SM = 2  # cc/sm90/decode: 128 threads, <= 96 KB shared memory per CTA
+
+
 def decode_num_splits(cfg, q_len: int) -> int:
-    """Split-K factor of the CUDA decode kernel: enough CTAs to fill the H200's 132 SMs when the batch
-    alone does not, never more splits than selected blocks."""
-    ctas = cfg.batch * cfg.num_kv_heads
-    if ctas >= 132:
-        return 1
-    want = -(-2 * 132 // max(ctas, 1))
-    return max(1, min(cfg.topk, want))
+    """Split-K factor of the CUDA decode kernel: (token, KV head) pairs times splits fill one wave of CTA
+    slots on the H200 when the batch alone does not; never more splits than selected blocks."""
+    pairs = cfg.batch * q_len * cfg.num_kv_heads
+    return max(1, min(cfg.topk, (H200_SMS * DECODE_CTAS_PER_SM) // max(pairs, 1)))
 
 
 def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=1, scale=None, return_lse=False,

@@ -33,6 +33,8 @@ def token_requests(cu_seqlens_q, total_q: int):
 def prefill_positions(cu_seqlens_q, seq_lens, total_q: int):
     """(request [T], position [T], in_batch [T]): pos = seq_len_b - q_len_b + i (bottom-right)."""
     b, in_batch = token_requests(cu_seqlens_q, total_q)
+    if seq_lens.shape[0] == 0:  # no requests: every token is padding
+        return b, jnp.zeros((total_q,), jnp.int32), in_batch
     cu = cu_seqlens_q.astype(jnp.int32)
     q_len = cu[b + 1] - cu[b]
     pos = seq_lens.astype(jnp.int32)[b] - q_len + (jnp.arange(total_q, dtype=jnp.int32) - cu[b])
@@ -69,6 +71,8 @@ def _attend_tokens(q, k_pages, v_pages, topk, req, pos, in_batch, seq_lens, bloc
     max_blocks = block_table.shape[1]
     seq_lens = seq_lens.astype(jnp.int32)
     block_table = block_table.astype(jnp.int32)
+    if t_total == 0 or seq_lens.shape[0] == 0:  # an empty batch: no token has a request, every row is empty
+        return jnp.zeros((t_total, hq, d), jnp.float32), jnp.full((t_total, hq), -jnp.inf, jnp.float32)
 
     def one(args):
         q_t, ids, b, p, ok = args  # [Hq, D], [Hkv, K], (), (), ()

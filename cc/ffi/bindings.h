@@ -106,6 +106,17 @@ inline ffi::Error make_prefill_params(
   if (row_ptr.dimensions()[1] != int64_t(p.batch) * p.max_blocks + 1) return invalid("plan.row_ptr must be [Hkv, R+1]");
   if (work.dimensions().size() != 2 || work.dimensions()[1] != 4) return invalid("plan.work must be [W, 4]");
   p.work_capacity = int(work.dimensions()[0]);
+  if (edge_rank.element_count() != edge_query.element_count() ||
+      query_edge_count.element_count() != int64_t(p.num_kv_heads) * p.total_q || num_work.element_count() != 1)
+    return invalid("plan arrays do not match [Hkv, T*K] / [Hkv, T] / [1]");
+  const int64_t G = p.num_q_heads / p.num_kv_heads;
+  const int64_t partials = int64_t(p.total_q) * p.num_kv_heads * p.topk * G;
+  if (partial_lse->element_count() != partials || partial_o->element_count() != partials * p.head_dim)
+    return invalid("prefill partial workspaces must be [T, Hkv, K, G(, D)]");
+  if (out->element_count() != int64_t(p.total_q) * p.num_q_heads * p.head_dim ||
+      lse->element_count() != int64_t(p.total_q) * p.num_q_heads)
+    return invalid("out / lse must be [T, Hq, D] / [T, Hq]");
+  if (scales.element_count() < kNumScales) return invalid("scales must be [3]");
   p.scales = scales.typed_data();
   p.cu_seqlens_q = cu_seqlens_q.typed_data();
   p.seq_lens = seq_lens.typed_data();
@@ -162,6 +173,13 @@ inline ffi::Error make_decode_params(DecodeParams& p, ffi::AnyBuffer q, ffi::Any
     return invalid("block_table must be [B, max_blocks]");
   p.max_blocks = int(block_table.dimensions()[1]);
   p.num_splits = partial_lse->dimensions().size() == 3 ? int(partial_lse->dimensions()[0]) : 0;
+  const int64_t rows = dim(q, 0) * p.num_q_heads;
+  if (p.num_splits > 1 && (partial_lse->element_count() != p.num_splits * rows ||
+                           partial_o->element_count() != p.num_splits * rows * p.head_dim))
+    return invalid("decode split workspaces must be [S, B*QL, Hq(, D)]");
+  if (out->element_count() != rows * p.head_dim || lse->element_count() != rows)
+    return invalid("out / lse must be [B*QL, Hq, D] / [B*QL, Hq]");
+  if (scales.element_count() < kNumScales) return invalid("scales must be [3]");
   p.scales = scales.typed_data();
   p.topk_ids = topk.typed_data();
   p.seq_lens = seq_lens.typed_data();
@@ -189,6 +207,40 @@ auto write_kv_signature(B b) {
       .template Attr<int32_t>("kv_format");
 }
 
+// Both handlers trust every extent they index, so the buffers are checked against each other here.
+inline ffi::Error check_write_kv_buffers(const jax_msa::WriteKvParams& p, const ffi::AnyBuffer& cache,
+                                  const ffi::Buffer<ffi::BF16>& v, const I32Buffer& slot_mapping,
+                                  const F32Buffer& scales) {
+  using jax_msa::KvFormat;
+  const int64_t N = p.num_tokens, Hkv = p.num_kv_heads, D = p.head_dim;
+  if (v.dimensions().size() != 3 || v.dimensions()[0] != N || v.dimensions()[1] != Hkv || v.dimensions()[2] != D)
+    return invalid("v must have k's shape [N, Hkv, D]");
+  if (slot_mapping.dimensions().size() != 1 || slot_mapping.dimensions()[0] != N)
+    return invalid("slot_mapping must be [N]");
+  if (scales.element_count() < jax_msa::kNumScales) return invalid("scales must be [3]");
+  if (Hkv <= 0 || D <= 0 || D % 16 != 0) return invalid("the CUDA write_kv needs Hkv > 0 and head_dim % 16 == 0");
+  if (rank(cache) != 4 || dim(cache, 2) != jax_msa::kPageSize)
+    return invalid("kv_cache must be [pages, heads, 128, bytes]");
+  switch (p.kv_format) {
+    case KvFormat::kBf16:
+    case KvFormat::kFp8: {
+      const auto want = p.kv_format == KvFormat::kBf16 ? ffi::DataType::BF16 : ffi::DataType::F8E4M3FN;
+      if (cache.element_type() != want) return invalid("kv_cache dtype does not match kv_format");
+      if (dim(cache, 1) != Hkv || dim(cache, 3) != 2 * D)
+        return invalid("a bf16 / FP8 kv_cache must be [pages, Hkv, 128, 2*D] for k [N, Hkv, D]");
+      break;
+    }
+    case KvFormat::kNvfp4:
+      if (cache.element_type() != ffi::DataType::U8) return invalid("an NVFP4 kv_cache must be uint8");
+      if (dim(cache, 1) != 2 * Hkv || dim(cache, 3) != D / 2 + D / 16)
+        return invalid("an NVFP4 kv_cache must be [pages, 2*Hkv, 128, D/2 + D/16] for k [N, Hkv, D]");
+      break;
+    default:
+      return invalid("unknown kv_format");
+  }
+  return ffi::Error::Success();
+}
+
 inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::BF16> k,
                                        ffi::Buffer<ffi::BF16> v, I32Buffer slot_mapping, F32Buffer scales,
                                        ffi::Result<ffi::AnyBuffer> cache_out, int32_t kv_format) {
@@ -196,6 +248,7 @@ inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in
   if (cache_out->untyped_data() != cache_in.untyped_data())
     return invalid("write_kv expects its cache output aliased to its cache input");
   if (k.dimensions().size() != 3) return invalid("k must be [N, Hkv, D]");
+  if (rank(cache_in) != 4) return invalid("kv_cache must be [pages, heads, 128, bytes]");
   p.kv_cache = cache_out->untyped_data();
   p.k = k.typed_data();
   p.v = v.typed_data();
@@ -207,7 +260,7 @@ inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in
   p.num_pages = cache_in.dimensions()[0];
   p.kv_format = KvFormat(kv_format);
   if (kv_format < 0 || kv_format > 2) return invalid("unknown kv_format");
-  return ffi::Error::Success();
+  return check_write_kv_buffers(p, cache_in, v, slot_mapping, scales);
 }
 
 }  // namespace jax_msa::ffi_bind

@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# The one script run on the GPU machine (an H200: python3 3.12 with jax 0.11.2 + CUDA plugin, nanobind,
+# scikit-build-core, cmake, ninja, pytest; no network).
+#
+#   bash .ci/gpu_run.sh [stage ...]        stages: build info test sanitize bench  (default: build info test bench)
+#
+#   build     dist/*.whl present: install that wheel into /tmp/site; otherwise build in-tree with
+#             .ci/build_inplace.sh (JAX_MSA_CUDA=ON, JOBS=16). CUTLASS headers come from the nvidia-cutlass wheel
+#             in .whl/, installed into /tmp/site.
+#   info      nvidia-smi, JAX devices, what jax_msa was built with, HGMMA / HMMA counts in the CUDA module's SASS
+#   test      pytest -m gpu twice: XLA command buffers as configured (default: on), then with them disabled
+#   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
+#   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
+#
+# Which jax_msa is used follows from the tree: a wheel in dist/ means the installed one in /tmp/site, otherwise the
+# in-tree package (PYTHONPATH=$PWD). With OUT set, each stage's log (and junit XML, benchmark output) goes there.
+# A failing stage does not stop the next ones; the exit code is non-zero when any stage failed.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO="$PWD"
+PY="${PYTHON:-python3}"
+SITE=/tmp/site
+SCRATCH=/tmp/jax_msa_gpu_run
+LOG_DIR="${OUT:-${SCRATCH}/logs}"
+mkdir -p "${SITE}" "${SCRATCH}" "${LOG_DIR}"
+[[ -d /usr/local/cuda/bin ]] && export PATH="${PATH}:/usr/local/cuda/bin"
+
+shopt -s nullglob
+WHEELS=(dist/*.whl)
+CUTLASS_WHEELS=(.whl/nvidia_cutlass-*.whl)
+shopt -u nullglob
+if (( ${#WHEELS[@]} )); then
+  MODE=wheel
+  PACKAGE_PARENT="${SITE}"
+  export PYTHONPATH="${SITE}${PYTHONPATH:+:${PYTHONPATH}}"
+else
+  MODE=in-tree
+  PACKAGE_PARENT="${REPO}"
+  export PYTHONPATH="${REPO}:${SITE}${PYTHONPATH:+:${PYTHONPATH}}"
+fi
+
+# ---- stages ----------------------------------------------------------------------------------------------
+
+stage_build() {
+  if [[ ! -d "${SITE}/cutlass_library" ]]; then
+    (( ${#CUTLASS_WHEELS[@]} )) || { echo "build: no .whl/nvidia_cutlass-*.whl to take the CUTLASS headers from"; return 1; }
+    "${PY}" -m pip install -q --no-index --no-deps --no-compile --target "${SITE}" "${CUTLASS_WHEELS[@]}"
+  fi
+  if [[ "${MODE}" == wheel ]]; then
+    echo "build: installing ${WHEELS[*]} into ${SITE}"
+    "${PY}" -m pip install -q --no-deps --no-index --upgrade --target "${SITE}" "${WHEELS[@]}"
+  else
+    echo "build: in-tree, JAX_MSA_CUDA=ON JAX_MSA_CUDA_ARCHS=${JAX_MSA_CUDA_ARCHS:-90a-real (default)}"
+    JOBS=16 JAX_MSA_CUDA=ON PYTHON="${PY}" .ci/build_inplace.sh
+  fi
+}
+
+stage_info() {
+  nvidia-smi || true
+  "${PY}" - <<'EOF'
+import jax
+import jax_msa
+from jax_msa import _ffi
+
+print("jax", jax.__version__, "| devices", jax.devices())
+print("jax_msa", jax_msa.__file__)
+print("cuda_available", jax_msa.cuda_available(), "| cuda_archs", jax_msa.cuda_archs(),
+      "| cuda_targets", sorted(_ffi.cuda_targets()))
+EOF
+  local so
+  so="$("${PY}" -c 'import jax_msa._jax_msa_cuda as m; print(m.__file__)')" || { echo "info: no CUDA module"; return 1; }
+  echo "CUDA module: ${so}"
+  if ! command -v cuobjdump >/dev/null 2>&1; then
+    echo "info: cuobjdump not found; no SASS statistics"
+    return 0
+  fi
+  cuobjdump --list-elf "${so}"
+  # Per kernel: SASS instruction count and its Hopper warpgroup MMAs (HGMMA) and warp-level MMAs (HMMA).
+  cuobjdump --dump-sass "${so}" | awk '
+    /Function : / { name = $NF; order[++n] = name; next }
+    name != "" && /\/\*[0-9a-f]+\*\// { insts[name]++ }
+    name != "" && /HGMMA/ { hgmma[name]++ }
+    name != "" && /HMMA/ && !/HGMMA/ { hmma[name]++ }
+    END {
+      printf "%8s %8s %8s  %s\n", "insts", "HGMMA", "HMMA", "kernel"
+      for (i = 1; i <= n; i++) { k = order[i]; printf "%8d %8d %8d  %s\n", insts[k], hgmma[k], hmma[k], k }
+    }'
+}
+
+# pytest against the jax_msa chosen above, from a scratch directory; .ci/pytest_ci_checks.py checks which jax_msa
+# is imported and fails a run in which no test passed (exit code 5). Started through ${LAUNCHER[@]} when a stage sets it.
+LAUNCHER=()
+run_pytest() {
+  local junit="$1"; shift
+  (cd "${SCRATCH}" && PYTHONPATH="${REPO}/.ci:${PYTHONPATH}" JAX_MSA_EXPECTED_DIR="${PACKAGE_PARENT}" \
+    ${LAUNCHER[@]+"${LAUNCHER[@]}"} "${PY}" -m pytest "${REPO}/tests" -q -p pytest_ci_checks \
+    -p no:cacheprovider --junitxml="${junit}" "$@")
+  local rc=$?
+  (( rc == 5 )) && echo "pytest: no test ran for $* (none collected, or all skipped)"
+  return "${rc}"
+}
+
+stage_test() {
+  local rc=0
+  echo "--- pytest -m gpu, XLA command buffers as configured (XLA_FLAGS='${XLA_FLAGS:-}')"
+  run_pytest "${LOG_DIR}/junit_gpu.xml" -m gpu || rc=1
+  echo "--- pytest -m gpu, XLA command buffers disabled"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+    run_pytest "${LOG_DIR}/junit_gpu_no_cmdbuf.xml" -m gpu || rc=1
+  return "${rc}"
+}
+
+stage_sanitize() {
+  command -v compute-sanitizer >/dev/null 2>&1 || { echo "sanitize: compute-sanitizer not found"; return 1; }
+  # The platform allocator gives every buffer its own allocation, so out-of-bounds accesses are not hidden inside
+  # XLA's memory pool; no autotuning keeps the run short.
+  local -a LAUNCHER=(compute-sanitizer --tool memcheck --error-exitcode 1 --report-api-errors no)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+    run_pytest "${LOG_DIR}/junit_sanitize.xml" -m "gpu and sanitize"
+}
+
+stage_bench() {
+  shopt -s nullglob
+  local benches=(examples/bench/bench_*.py)
+  shopt -u nullglob
+  if (( ${#benches[@]} == 0 )); then
+    echo "bench: no examples/bench/bench_*.py"
+    return 0
+  fi
+  local args=(--quick) rc=0 b name
+  [[ "${FULL:-0}" == 1 ]] && args=()
+  for b in "${benches[@]}"; do
+    name="$(basename "${b}" .py)"
+    name="${name#bench_}"
+    echo "--- ${b} ${args[*]}"
+    if ! "${PY}" "${b}" ${args[@]+"${args[@]}"} 2>&1 | tee "${LOG_DIR}/bench_${name}.txt"; then
+      echo "bench: ${b} failed"
+      rc=1
+    fi
+  done
+  return "${rc}"
+}
+
+# ---- driver ----------------------------------------------------------------------------------------------
+
+STAGES=("$@")
+(( ${#STAGES[@]} )) || STAGES=(build info test bench)
+for s in "${STAGES[@]}"; do
+  case "${s}" in
+    build|info|test|sanitize|bench) ;;
+    *) echo "unknown stage '${s}' (stages: build info test sanitize bench)" >&2; exit 2 ;;
+  esac
+done
+
+echo "gpu_run: ${REPO} ($(git rev-parse --short HEAD 2>/dev/null || echo 'no git')), jax_msa ${MODE}," \
+     "stages: ${STAGES[*]}, logs: ${LOG_DIR}"
+T0=$(date +%s)
+SUMMARY=()
+FAILED=0
+for s in "${STAGES[@]}"; do
+  echo
+  echo "=== ${s}"
+  t=$(date +%s)
+  ( set -e; "stage_${s}" ) 2>&1 | tee "${LOG_DIR}/${s}.log"
+  rc=${PIPESTATUS[0]}
+  took=$(( $(date +%s) - t ))
+  (( rc == 0 )) && status=ok || { status="FAILED (rc ${rc})"; FAILED=1; }
+  echo "=== ${s}: ${status}, ${took} s"
+  SUMMARY+=("$(printf '%-9s %-16s %5d s' "${s}" "${status}" "${took}")")
+done
+echo
+echo "=== summary"
+printf '%s\n' "${SUMMARY[@]}"
+printf '%-26s %5d s\n' "total" "$(( $(date +%s) - T0 ))"
+exit "${FAILED}"

@@ -1,0 +1,157 @@
+// CUDA write_kv: quantize-on-write of new K/V tokens into a bf16, FP8 or NVFP4 paged cache, in place.
+//
+// Work split: one thread per 16-value chunk of one (token, KV head, K|V) half; a (token, head) row has
+// 2 * D/16 chunks (16 threads for D = 128), the block packs 256 / (2 * D/16) rows along threadIdx.y.
+// A chunk is exactly one NVFP4 scale group, so no thread talks to another.
+//   bf16 : two 16-byte loads, two 16-byte stores (the K and V halves of a cache row are contiguous)
+//   FP8  : two 16-byte loads, one 16-byte store of 16 E4M3 bytes
+//   NVFP4: two 16-byte loads, one 8-byte store of 16 E2M1 nibbles, one byte store of the E4M3 scale
+//          (K scales are linear per token, V scales sit in 4x4 token quads: scattered bytes)
+// When a buffer is not 16-byte aligned (never the case for XLA's own allocations) the same kernel runs
+// with element-wise loads and stores instead.
+//
+// The arithmetic is cc/common/quantize.h, shared with the CPU handler, so the bytes agree with it and with
+// jax_msa/kv_cache.py. Its divisions must stay IEEE (never build with fast-math / -prec-div=false).
+#include "cuda/write_kv.h"
+
+#include <cstdint>
+
+#include "common/kv_format.h"
+#include "common/numeric.h"
+#include "common/quantize.h"
+
+namespace jax_msa::cuda {
+namespace {
+
+constexpr int kChunk = 16;          // values per thread: one NVFP4 scale group
+constexpr int kBlockThreads = 256;
+constexpr int kMaxThreadsPerRow = 32;
+constexpr int64_t kMaxGrid = int64_t(1) << 20;  // rows beyond this are covered by the grid-stride loop
+
+// 16 bf16 values as 8 little-endian words: value 2i in the low half of w[i], 2i+1 in the high half.
+template <bool kVec>
+__device__ __forceinline__ void load_chunk(const uint16_t* __restrict__ src, uint32_t (&w)[8]) {
+  if constexpr (kVec) {
+    const uint4 a = __ldg(reinterpret_cast<const uint4*>(src));
+    const uint4 b = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
+    w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = uint32_t(__ldg(src + 2 * i)) | (uint32_t(__ldg(src + 2 * i + 1)) << 16);
+  }
+}
+
+__device__ __forceinline__ void chunk_to_float(const uint32_t (&w)[8], float (&x)[kChunk]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    x[2 * i] = bf16_bits_to_float(uint16_t(w[i] & 0xffffu));
+    x[2 * i + 1] = bf16_bits_to_float(uint16_t(w[i] >> 16));
+  }
+}
+
+// Writes kWords 32-bit words (little-endian bytes) to dst; kVec: dst is aligned to min(16, 4 * kWords) bytes.
+template <bool kVec, int kWords>
+__device__ __forceinline__ void store_words(uint8_t* __restrict__ dst, const uint32_t* w) {
+  if constexpr (kVec && kWords == 8) {
+    reinterpret_cast<uint4*>(dst)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    reinterpret_cast<uint4*>(dst)[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  } else if constexpr (kVec && kWords == 4) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else if constexpr (kVec && kWords == 2) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4 * kWords; ++i) dst[i] = uint8_t(w[i / 4] >> (8 * (i % 4)));
+  }
+}
+
+template <KvFormat kFormat, bool kVec>
+__global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvParams p) {
+  const int D = p.head_dim;
+  const int G = D / kChunk;  // chunks per K (or V) half
+  const int Hkv = p.num_kv_heads;
+  const int64_t rows = int64_t(p.num_tokens) * Hkv;
+  const int64_t capacity = p.num_pages * kPageSize;
+  for (int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
+       row += int64_t(gridDim.x) * blockDim.y) {
+    const int64_t n = row / Hkv;
+    const int g = int(row - n * Hkv);
+    const int32_t slot = p.slot_mapping[n];
+    if (slot < 0 || slot >= capacity) continue;  // padding or beyond the cache: skipped
+    const int64_t page = slot / kPageSize;
+    const int t = slot % kPageSize;
+    for (int c2 = threadIdx.x; c2 < 2 * G; c2 += blockDim.x) {
+      const int kv = c2 >= G ? 1 : 0;
+      const int c = c2 - kv * G;
+      const uint16_t* src = (kv ? p.v : p.k) + row * D + c * kChunk;
+      uint32_t w[8];
+      load_chunk<kVec>(src, w);
+      if constexpr (kFormat == KvFormat::kBf16) {
+        const int64_t elem = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
+        store_words<kVec, 8>(reinterpret_cast<uint8_t*>(static_cast<uint16_t*>(p.kv_cache) + elem), w);
+      } else {
+        const float scale = p.scales[kv ? kVScale : kKScale];
+        float x[kChunk];
+        chunk_to_float(w, x);
+        if constexpr (kFormat == KvFormat::kFp8) {
+          uint32_t q[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+          for (int i = 0; i < kChunk; ++i) q[i / 4] |= uint32_t(fp8_quantize(x[i], scale)) << (8 * (i % 4));
+          const int64_t byte = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
+          store_words<kVec, 4>(static_cast<uint8_t*>(p.kv_cache) + byte, q);
+        } else {
+          const Nvfp4Slot geo{D};
+          uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + (page * 2 * Hkv + 2 * g + kv) * geo.slot_bytes();
+          uint8_t data[8];
+          const uint8_t sf = nvfp4_quantize_group(x, scale, data);
+          uint32_t q[2] = {0u, 0u};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) q[i / 4] |= uint32_t(data[i]) << (8 * (i % 4));
+          store_words<kVec, 2>(base + int64_t(t) * geo.data_bytes_per_token() + c * 8, q);
+          base[kv ? geo.v_scale_offset(t, c) : geo.k_scale_offset(t, c)] = sf;
+        }
+      }
+    }
+  }
+}
+
+template <KvFormat kFormat>
+void launch(const WriteKvParams& p, bool vec, dim3 grid, dim3 block, cudaStream_t stream) {
+  if (vec)
+    write_kv_kernel<kFormat, true><<<grid, block, 0, stream>>>(p);
+  else
+    write_kv_kernel<kFormat, false><<<grid, block, 0, stream>>>(p);
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+}  // namespace
+
+cudaError_t launch_write_kv(const WriteKvParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.num_tokens) * p.num_kv_heads;
+  if (rows <= 0 || p.head_dim <= 0) return cudaSuccess;
+  const int chunks_per_row = 2 * (p.head_dim / kChunk);
+  const int bx = chunks_per_row < kMaxThreadsPerRow ? chunks_per_row : kMaxThreadsPerRow;
+  const int by = kBlockThreads / bx;
+  const int64_t blocks_needed = (rows + by - 1) / by;
+  const dim3 block(bx, by);
+  const dim3 grid(unsigned(blocks_needed < kMaxGrid ? blocks_needed : kMaxGrid));
+  const bool vec = aligned16(p.k) && aligned16(p.v) && aligned16(p.kv_cache);
+  switch (p.kv_format) {
+    case KvFormat::kBf16:
+      launch<KvFormat::kBf16>(p, vec, grid, block, stream);
+      break;
+    case KvFormat::kFp8:
+      launch<KvFormat::kFp8>(p, vec, grid, block, stream);
+      break;
+    case KvFormat::kNvfp4:
+      launch<KvFormat::kNvfp4>(p, vec, grid, block, stream);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace jax_msa::cuda

@@ -1,0 +1,12 @@
+# CUDA sources of the _jax_msa_cuda module (included by CMakeLists.txt when the CUDA handlers are built).
+# One explicit kernel instantiation per .cu (compile time and memory stay bounded per file); paths relative
+# to the project root.
+set(JAX_MSA_CUDA_SOURCES
+  cc/cuda/write_kv.cu
+  cc/ffi/decode_cuda_handler.cc
+  cc/sm90/decode/decode_dispatch.cu
+  cc/sm90/decode/combine_splits.cu
+  cc/sm90/decode/decode_bf16.cu
+  cc/sm90/decode/decode_fp8.cu
+  cc/sm90/decode/decode_nvfp4.cu
+)

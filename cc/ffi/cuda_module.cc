@@ -1,0 +1,78 @@
+// The CUDA extension module: XLA FFI handlers for platform "CUDA" and their registration capsules.
+// Target names are shared with the CPU module (cc/ffi/cpu_module.cc); signatures come from bindings.h with
+// the platform stream bound first. Handlers enqueue work on XLA's stream only: no host synchronisation and
+// no allocation, so they are command-buffer (CUDA graph) compatible.
+//
+// cudart is linked statically: this module imports on machines without a GPU (its registrations are then
+// simply never called).
+#include <cuda_runtime_api.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "common/kv_format.h"
+#include "cuda/write_kv.h"
+#include "ffi/bindings.h"
+#include "ffi/cuda_handlers.h"
+#include "ffi/module_common.h"
+
+#ifndef JAX_MSA_CUDA_ARCHS_CSV
+#error "JAX_MSA_CUDA_ARCHS_CSV (the CMAKE_CUDA_ARCHITECTURES list, comma-separated) must be defined by CMake"
+#endif
+
+namespace ffi = xla::ffi;
+namespace fb = jax_msa::ffi_bind;
+
+namespace {
+
+ffi::Error cuda_failure(const char* what, cudaError_t err) {
+  return ffi::Error::Internal(std::string("jax_msa: ") + what + ": " + cudaGetErrorName(err) + " (" +
+                             cudaGetErrorString(err) + ")");
+}
+
+ffi::Error write_kv_cuda_impl(cudaStream_t stream, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::BF16> k,
+                              ffi::Buffer<ffi::BF16> v, fb::I32Buffer slot_mapping, fb::F32Buffer scales,
+                              ffi::Result<ffi::AnyBuffer> cache_out, int32_t kv_format) {
+  jax_msa::WriteKvParams p;
+  if (auto e = fb::make_write_kv_params(p, cache_in, k, v, slot_mapping, scales, cache_out, kv_format); e.failure())
+    return e;
+  if (const cudaError_t err = jax_msa::cuda::launch_write_kv(p, stream); err != cudaSuccess)
+    return cuda_failure("write_kv kernel launch failed", err);
+  return ffi::Error::Success();
+}
+
+// "90a-real,100a-real" -> {"90a", "100a"}: the CMAKE_CUDA_ARCHITECTURES entries without -real / -virtual.
+std::vector<std::string> compiled_archs() {
+  std::vector<std::string> archs;
+  const std::string csv = JAX_MSA_CUDA_ARCHS_CSV;
+  size_t begin = 0;
+  while (begin <= csv.size()) {
+    size_t end = csv.find(',', begin);
+    if (end == std::string::npos) end = csv.size();
+    std::string arch = csv.substr(begin, end - begin);
+    if (const size_t dash = arch.find('-'); dash != std::string::npos) arch.resize(dash);
+    if (!arch.empty()) archs.push_back(arch);
+    begin = end + 1;
+  }
+  return archs;
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMsaWriteKvCuda, write_kv_cuda_impl,
+                              fb::write_kv_signature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+NB_MODULE(_jax_msa_cuda, m) {
+  m.def("registrations", []() {
+    nanobind::dict d;
+    d["jax_msa_write_kv"] = jax_msa::ffi_bind::capsule(JaxMsaWriteKvCuda);
+    d["jax_msa_decode"] = jax_msa::ffi_bind::capsule(JaxMsaDecodeCuda);
+    return d;
+  });
+  m.def("compiled_archs", &compiled_archs, "CUDA architectures compiled into this module, e.g. ['90a'].");
+  jax_msa::ffi_bind::add_version_info(m);
+}

@@ -1,0 +1,71 @@
+// SM90 sparse decode: traits (tiles, pipeline depth, shared-memory plan) per KV-cache format.
+//
+// Work unit (one CTA): query token t, KV head g, split s of t's valid selected blocks.
+//   MMA rows  : the G <= 16 query heads of (t, g), zero padded to 16 (mma.sync m16n8k16, bf16 -> fp32)
+//   pipeline  : chunks of 64 keys (half a block) of K and V, cp.async (zero-fill past the visible keys),
+//               kStages deep; FP8 / NVFP4 chunks are dequantized to bf16 in shared memory before the MMAs
+//   warps     : 4; warp w owns keys [16w, 16w + 16) of every chunk and keeps its own online softmax
+//               (m, l, O); the 4 warps merge through shared memory at the end
+//   output    : one split -> bf16 out and lse directly; several -> fp32 partials + combine kernel
+#pragma once
+#include <cstdint>
+
+#include "common/kv_format.h"
+
+namespace jax_msa::sm90::decode {
+
+constexpr int kHeadDim = 128;
+constexpr int kRows = 16;           // MMA M: query heads of one token
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunkKeys = 64;      // keys per pipeline stage
+constexpr int kKeysPerWarp = kChunkKeys / kWarps;
+constexpr int kMaxTopk = 32;        // a top-k row is compacted by one warp ballot
+constexpr int kMaxChunks = 2 * kMaxTopk;
+constexpr int kBf16RowBytes = kHeadDim * 2;              // 256 B: one key of K (or V) in bf16
+constexpr int kBf16TileBytes = kChunkKeys * kBf16RowBytes;  // 16 KB: K (or V) of a chunk in bf16
+
+static_assert(kKeysPerWarp == 16, "each warp takes one k16 step of keys per chunk");
+
+template <KvFormat F>
+struct FormatTraits;
+
+template <>
+struct FormatTraits<KvFormat::kBf16> {
+  static constexpr int kStages = 3;
+  static constexpr int kStageBytes = 2 * kBf16TileBytes;  // K | V, swizzled bf16 (read by ldmatrix)
+  static constexpr bool kNeedsDequant = false;
+};
+
+template <>
+struct FormatTraits<KvFormat::kFp8> {
+  static constexpr int kStages = 4;
+  static constexpr int kStageBytes = 2 * kChunkKeys * kHeadDim;  // K | V, raw e4m3 rows of 128 B
+  static constexpr bool kNeedsDequant = true;
+};
+
+template <>
+struct FormatTraits<KvFormat::kNvfp4> {
+  // K data 64x64 B | K scales 512 B | V data 64x64 B | V scales 512 B (slot byte order kept)
+  static constexpr int kDataBytes = kChunkKeys * kHeadDim / 2;
+  static constexpr int kScaleBytes = kChunkKeys * kHeadDim / 16;
+  static constexpr int kStages = 6;
+  static constexpr int kStageBytes = 2 * (kDataBytes + kScaleBytes);
+  static constexpr bool kNeedsDequant = true;
+};
+
+// Shared-memory plan: [stages][scratch bf16 K|V when dequantizing][chunk table][block list]
+template <KvFormat F>
+struct SharedPlan {
+  using T = FormatTraits<F>;
+  static constexpr int kStagesOffset = 0;
+  static constexpr int kScratchOffset = T::kStages * T::kStageBytes;
+  static constexpr int kScratchBytes = T::kNeedsDequant ? 2 * kBf16TileBytes : 0;
+  static constexpr int kTableOffset = kScratchOffset + kScratchBytes;
+  static constexpr int kBytes = kTableOffset;  // the chunk table lives in static shared memory
+  // The epilogue reuses the stage area for the warps' fp32 partial outputs.
+  static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
+  static_assert(kScratchOffset + kScratchBytes >= kMergeBytes, "merge area must fit in the reused stages");
+};
+
+}  // namespace jax_msa::sm90::decode

@@ -1,0 +1,277 @@
+// SM90 sparse decode kernel (split-K over the selected blocks); the split combine is combine_splits.cu.
+// Layout and roles: see config.h. Semantics: MSA.md section 2 (holes, ids out of range, blocks beyond the
+// causal position and invalid pages are skipped before any read; duplicates count once).
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+
+#include "common/params.h"
+#include "sm90/decode/chunk_io.cuh"
+#include "sm90/decode/config.h"
+
+namespace jax_msa::sm90::decode {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ void ldsm_x4(const uint8_t* p, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(p), r0, r1, r2, r3);
+}
+__device__ __forceinline__ void ldsm_x4_t(const uint8_t* p, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(p), r0, r1, r2, r3);
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1], d[2],
+                                            d[3]);
+}
+
+// Two consecutive query elements (row, d..d+1) as bf16x2; rows past the group are zero.
+__device__ __forceinline__ uint32_t load_q_pair(const DecodeParams& p, int64_t row_base, int row, int group, int d) {
+  if (row >= group) return 0u;
+  const int64_t off = (row_base + row) * kHeadDim + d;
+  if (p.q_is_fp8) {
+    const uint8_t* q = static_cast<const uint8_t*>(p.q) + off;
+    return pack_bf16x2(e4m3_to_float(q[0]), e4m3_to_float(q[1]));  // exact; q_scale is folded
+  }
+  return *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + off);
+}
+
+template <KvFormat F>
+__global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const DecodeParams p) {
+  using Traits = FormatTraits<F>;
+  using Plan = SharedPlan<F>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ ChunkRef s_chunks[kMaxChunks];
+  __shared__ int s_num_chunks;
+  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
+
+  const int split = blockIdx.x, g = blockIdx.y, t = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int b = t / p.q_len;
+  const int seq_len = p.seq_lens[b];
+  const int pos = seq_len - p.q_len + t % p.q_len;
+  const int64_t tokens = int64_t(p.batch) * p.q_len;
+
+  // ---- 1. the valid, deduplicated blocks of (t, g): one warp ballot; this split's share; its chunks
+  if (warp == 0) {
+    const int n_blocks = min((seq_len + kPageSize - 1) / kPageSize, p.max_blocks);
+    const int32_t* row = p.topk_ids + (int64_t(g) * tokens + t) * p.topk;
+    const int id = lane < p.topk ? row[lane] : -1;
+    bool valid = id >= 0 && id < n_blocks && pos >= 0 && id <= pos / kPageSize;
+    for (int j = 0; j < lane && j < p.topk; ++j) valid = valid && row[j] != id;  // first copy only
+    int64_t page = valid ? p.block_table[int64_t(b) * p.max_blocks + id] : -1;
+    valid = valid && page >= 0 && page < p.num_pages;
+    const unsigned mask = __ballot_sync(0xffffffffu, valid);
+    const int n = __popc(mask);
+    const int splits = p.num_splits > 1 ? p.num_splits : 1;  // <= 1: one CTA takes every block
+    const int first = split * n / splits, last = (split + 1) * n / splits;
+    const int rank = __popc(mask & ((1u << lane) - 1u));
+    // chunk slots: block i of this split -> slots 2*(i-first), +1; compacted by a second ballot below
+    const int visible = valid ? min(kPageSize, pos - id * kPageSize + 1) : 0;
+    const bool mine = valid && rank >= first && rank < last;
+    const bool second = mine && visible > kChunkKeys;
+    const unsigned mine_mask = __ballot_sync(0xffffffffu, mine);
+    const unsigned second_mask = __ballot_sync(0xffffffffu, second);
+    if (mine) {
+      const unsigned before = (1u << lane) - 1u;
+      const int slot = __popc(mine_mask & before) + __popc(second_mask & before);
+      s_chunks[slot] = ChunkRef{page, 0, min(visible, kChunkKeys)};
+      if (second) s_chunks[slot + 1] = ChunkRef{page, 1, visible - kChunkKeys};
+    }
+    if (lane == 0) s_num_chunks = __popc(mine_mask) + __popc(second_mask);
+  }
+  __syncthreads();
+  const int n_chunks = s_num_chunks;
+
+  // ---- 2. scales: q_scale and k_scale fold into the softmax scale (log2 units), v_scale into the output
+  const bool quantized = F != KvFormat::kBf16;
+  const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
+  const float k_scale = quantized ? p.scales[kKScale] : 1.0f;
+  const float v_scale = quantized ? p.scales[kVScale] : 1.0f;
+  const float scale_log2 = p.softmax_scale * q_scale * k_scale * kLog2e;
+
+  // ---- 3. Q fragments (A operand, 8 k-steps of 16 dims) for rows lane/4 and lane/4 + 8
+  const int r0 = lane >> 2, c2 = (lane & 3) * 2;
+  const int64_t q_row_base = int64_t(t) * p.num_q_heads + int64_t(g) * group;
+  uint32_t qf[8][4];
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    qf[ks][0] = load_q_pair(p, q_row_base, r0, group, ks * 16 + c2);
+    qf[ks][1] = load_q_pair(p, q_row_base, r0 + 8, group, ks * 16 + c2);
+    qf[ks][2] = load_q_pair(p, q_row_base, r0, group, ks * 16 + 8 + c2);
+    qf[ks][3] = load_q_pair(p, q_row_base, r0 + 8, group, ks * 16 + 8 + c2);
+  }
+
+  float acc[16][4];  // O: 16 n-tiles of 8 dims; [0,1] row r0, [2,3] row r0 + 8
+#pragma unroll
+  for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+
+  uint8_t* stages = smem + Plan::kStagesOffset;
+  uint8_t* scratch = smem + Plan::kScratchOffset;
+  auto stage_ptr = [&](int c) { return stages + (c % Traits::kStages) * Traits::kStageBytes; };
+
+  // ---- 4. pipeline over the chunks
+#pragma unroll
+  for (int c = 0; c < Traits::kStages - 1; ++c) {
+    if (c < n_chunks) ChunkIO<F>::load(stage_ptr(c), p.kv_cache, p.num_kv_heads, g, s_chunks[c]);
+    cute::cp_async_fence();
+  }
+  for (int c = 0; c < n_chunks; ++c) {
+    cute::cp_async_wait<Traits::kStages - 2>();
+    __syncthreads();  // chunk c has landed for every thread; chunk c-1's stage (and scratch) is free
+    const int next = c + Traits::kStages - 1;
+    if (next < n_chunks) ChunkIO<F>::load(stage_ptr(next), p.kv_cache, p.num_kv_heads, g, s_chunks[next]);
+    cute::cp_async_fence();
+    const ChunkRef ref = s_chunks[c];
+    const uint8_t* tile;  // swizzled bf16 K | V of this chunk
+    if constexpr (Traits::kNeedsDequant) {
+      ChunkIO<F>::dequant(stage_ptr(c), scratch, ref);
+      __syncthreads();
+      tile = scratch;
+    } else {
+      tile = stage_ptr(c);
+    }
+    const uint8_t* k_tile = tile;
+    const uint8_t* v_tile = tile + kBf16TileBytes;
+    const int key0 = warp * kKeysPerWarp;  // this warp's 16 keys of the chunk
+
+    // S = Q K^T over the warp's 16 keys: 2 n-tiles x 8 k-steps
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    {
+      const int key = key0 + ((lane >> 4) << 3) + (lane & 7);
+      const int unit_hi = (lane >> 3) & 1;
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        uint32_t b00, b01, b10, b11;
+        ldsm_x4(k_tile + swizzled_offset(key, 2 * ks + unit_hi), b00, b01, b10, b11);
+        mma_bf16(s[0], qf[ks], b00, b01);
+        mma_bf16(s[1], qf[ks], b10, b11);
+      }
+    }
+    // mask past the visible keys, online softmax per row (log2 units)
+    float m_new[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + nt * 8 + c2 + (e & 1);
+        const float x = key < ref.visible ? s[nt][e] * scale_log2 : -INFINITY;
+        s[nt][e] = x;
+        m_new[e >> 1] = fmaxf(m_new[e >> 1], x);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
+      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
+      alpha[r] = m_new[r] == -INFINITY ? 1.0f : exp2f(m_run[r] - m_new[r]);
+      m_run[r] = m_new[r];
+    }
+    float row_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float base = m_run[e >> 1] == -INFINITY ? 0.0f : m_run[e >> 1];
+        const float pr = exp2f(s[nt][e] - base);
+        s[nt][e] = pr;
+        row_sum[e >> 1] += pr;
+      }
+    }
+    l_run[0] = l_run[0] * alpha[0] + row_sum[0];
+    l_run[1] = l_run[1] * alpha[1] + row_sum[1];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      acc[i][0] *= alpha[0];
+      acc[i][1] *= alpha[0];
+      acc[i][2] *= alpha[1];
+      acc[i][3] *= alpha[1];
+    }
+    // O += P V: P as the A operand (keys = k), V^T tiles via ldmatrix.trans
+    const uint32_t pa[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
+                            pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
+    {
+      const int key = key0 + (((lane >> 3) & 1) << 3) + (lane & 7);
+      const int unit_hi = lane >> 4;
+#pragma unroll
+      for (int dn = 0; dn < 16; dn += 2) {
+        uint32_t b00, b01, b10, b11;
+        ldsm_x4_t(v_tile + swizzled_offset(key, dn + unit_hi), b00, b01, b10, b11);
+        mma_bf16(acc[dn], pa, b00, b01);
+        mma_bf16(acc[dn + 1], pa, b10, b11);
+      }
+    }
+  }
+  cute::cp_async_wait<0>();
+
+  // ---- 5. merge the 4 warps' (m, l, O) through shared memory
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  __syncthreads();  // every warp is done with the stages: reuse them for the partial outputs
+  float* merge = reinterpret_cast<float*>(smem);  // [warp][row][d]
+  if ((lane & 3) == 0) {
+    s_m[warp][r0] = m_run[0];
+    s_m[warp][r0 + 8] = m_run[1];
+    s_l[warp][r0] = l_run[0];
+    s_l[warp][r0 + 8] = l_run[1];
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float* w0 = merge + (warp * kRows + r0) * kHeadDim + i * 8 + c2;
+    float* w1 = merge + (warp * kRows + r0 + 8) * kHeadDim + i * 8 + c2;
+    *reinterpret_cast<float2*>(w0) = make_float2(acc[i][0], acc[i][1]);
+    *reinterpret_cast<float2*>(w1) = make_float2(acc[i][2], acc[i][3]);
+  }
+  __syncthreads();
+
+  // thread -> (row, 16 dims): 16 rows x 8 groups of 16 dims
+  const int row = threadIdx.x >> 3, d0 = (threadIdx.x & 7) * 16;
+  if (row >= group) return;
+  float m_all = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, s_m[w][row]);
+  float wgt[kWarps], l_all = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    wgt[w] = m_all == -INFINITY ? 0.0f : exp2f(s_m[w][row] - m_all);
+    l_all += s_l[w][row] * wgt[w];
+  }
+  const bool empty = !(l_all > 0.0f);
+  const float inv = empty ? 0.0f : v_scale / l_all;
+  const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * kLn2;
+  float o[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += wgt[w] * merge[(w * kRows + row) * kHeadDim + d0 + j];
+    o[j] = v * inv;
+  }
+  const int64_t out_row = q_row_base + row;
+  if (p.num_splits <= 1) {
+    uint32_t packed[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) packed[j] = pack_bf16x2(o[2 * j], o[2 * j + 1]);
+    uint4* dst = reinterpret_cast<uint4*>(p.out + out_row * kHeadDim + d0);
+    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    if ((threadIdx.x & 7) == 0) p.lse[out_row] = lse;
+  } else {
+    const int64_t prow = int64_t(split) * tokens * p.num_q_heads + out_row;
+    float4* dst = reinterpret_cast<float4*>(p.partial_o + prow * kHeadDim + d0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) dst[j] = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
+    if ((threadIdx.x & 7) == 0) p.partial_lse[prow] = lse;
+  }
+}
+
+}  // namespace jax_msa::sm90::decode

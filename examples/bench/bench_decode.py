@@ -1,0 +1,170 @@
+"""Benchmark of jax_msa.sparse_decode on the GPU (M3 shapes), against dense cuDNN attention.
+
+For each case: heads (64/4 or 16/1), batch B, context length, decode_query_len, KV format. Top-k rows hold the
+local block plus 15 distinct earlier blocks (all valid). R different top-k sets rotate through one jitted,
+unrolled program (so XLA replays it as one command buffer and the selected blocks are not L2-resident:
+R x bytes per call >= 200 MB), and time per call = wall time / R, median over repeats.
+
+KV bandwidth = bytes of the selected K and V (with scales) per call / time, against 4.3 TB/s.
+
+    python examples/bench/bench_decode.py            # full grid
+    python examples/bench/bench_decode.py --quick    # a few cases
+"""
+
+import argparse
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_msa
+from jax_msa import KVFormat, kv_cache
+
+HBM = 4.3e12
+D = 128
+K = 16
+
+
+def block_bytes(fmt, hkv_one=1):
+    return kv_cache.bytes_per_token(fmt, hkv_one, D) * 128
+
+
+def time_fn(fn, args, repeats):
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return statistics.median(samples), samples[len(samples) // 10], samples[-1 - len(samples) // 10]
+
+
+def make_inputs(rng, fmt, hq, hkv, batch, context, q_len, rotations, pool_pages):
+    max_blocks = context // 128
+    block_table = rng.integers(0, pool_pages, (batch, max_blocks)).astype(np.int32)
+    seq = np.full(batch, context, np.int32)
+    cache = jax_msa.allocate_cache(fmt, pool_pages, hkv, D)
+    # random content without a host round trip: random bytes, with FP8/NVFP4 NaN codes cleared
+    key = jax.random.PRNGKey(0)
+    if fmt == KVFormat.BF16:
+        cache = jax.random.normal(key, cache.shape, jnp.bfloat16)
+    else:
+        raw32 = jax.random.bits(key, cache.shape[:-1] + (cache.shape[-1] // 4,), jnp.uint32)  # uint8 bits would
+        raw = jax.lax.bitcast_convert_type(raw32, jnp.uint8).reshape(cache.shape)  # draw 4x the memory
+        raw = raw & jnp.uint8(0x77)  # no e4m3 NaN codes, moderate exponents
+        cache = raw if fmt == KVFormat.NVFP4 else jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
+    t = batch * q_len
+    q = jax.random.normal(jax.random.PRNGKey(1), (t, hq, D), jnp.bfloat16)
+    topks = []
+    for _ in range(rotations):
+        ids = np.empty((hkv, t, K), np.int32)
+        for tok in range(t):
+            pos = context - q_len + tok % q_len
+            local = pos // 128
+            for g in range(hkv):
+                others = rng.choice(local, size=K - 1, replace=False) if local >= K - 1 else np.arange(K - 1)
+                ids[g, tok] = np.concatenate([[local], others])
+        topks.append(jnp.asarray(ids))
+    return q, cache, topks, jnp.asarray(seq), jnp.asarray(block_table)
+
+
+def bench_case(fmt, hq, hkv, batch, context, q_len, repeats):
+    rng = np.random.default_rng(0)
+    per_call = batch * q_len * hkv * K * block_bytes(fmt)
+    rotations = int(min(64, max(4, math.ceil(200e6 / per_call))))
+    pool = min(batch * context // 128, max(4096, int(8e9 // (block_bytes(fmt) * hkv))))
+    q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, rotations, pool)
+    scales = {} if fmt == KVFormat.BF16 else dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.5))
+
+    @jax.jit
+    def run(q, cache, topks, seq, bt):
+        outs = [jax_msa.sparse_decode(q, cache, topk, seq_lens=seq, block_table=bt, decode_query_len=q_len,
+                                      impl="kernel", **scales) for topk in topks]
+        return outs
+
+    med, p10, p90 = time_fn(run, (q, cache, topks, seq, bt), repeats)
+    us = med / rotations * 1e6
+    return dict(us=us, p10=p10 / rotations * 1e6, p90=p90 / rotations * 1e6, bytes=per_call,
+                tbps=per_call / (us * 1e-6) / 1e12)
+
+
+def bench_dense(hq, hkv, batch, context, repeats):
+    """Dense cuDNN attention over the whole context, q_len = 1."""
+    if batch * context * hkv * D * 2 * 2 > 40e9:
+        return None
+    key = jax.random.PRNGKey(2)
+    q = jax.random.normal(key, (batch, 1, hq, D), jnp.bfloat16)
+    k = jax.random.normal(key, (batch, context, hkv, D), jnp.bfloat16)
+    v = jax.random.normal(key, (batch, context, hkv, D), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
+    try:
+        med, _, _ = time_fn(f, (q, k, v), repeats)
+    except Exception as e:  # cuDNN may refuse a shape; report it rather than fail the sweep
+        print(f"  dense cuDNN failed for B={batch} ctx={context}: {type(e).__name__}: {e}"[:200])
+        return None
+    return med * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--heads", help="only these heads, e.g. 64/4")
+    ap.add_argument("--batch", type=int, help="only this batch")
+    ap.add_argument("--context", type=int, help="only this context")
+    ap.add_argument("--q-len", type=int, help="only this decode_query_len")
+    ap.add_argument("--fmt", help="only this format (BF16, FP8, NVFP4)")
+    ap.add_argument("--no-dense", action="store_true", help="skip the dense cuDNN comparison")
+    args = ap.parse_args()
+    print(f"devices: {jax.devices()}  jax_msa CUDA: {jax_msa.cuda_available()} archs {jax_msa.cuda_archs()}")
+    heads = [(64, 4), (16, 1)]
+    batches = [1, 32, 256]
+    contexts = [32768, 131072]
+    q_lens = [1, 4]
+    fmts = list(KVFormat)
+    if args.quick:
+        contexts, q_lens = [32768], [1]
+    if args.heads:
+        heads = [tuple(int(x) for x in args.heads.split("/"))]
+    if args.batch:
+        batches = [args.batch]
+    if args.context:
+        contexts = [args.context]
+    if args.q_len:
+        q_lens = [args.q_len]
+    if args.fmt:
+        fmts = [KVFormat[args.fmt]]
+    rows = []
+    dense_cache = {}
+    for hq, hkv in heads:
+        for batch in batches:
+            for context in contexts:
+                if args.no_dense:
+                    dense_cache[(hq, hkv, batch, context)] = None
+                if (hq, hkv, batch, context) not in dense_cache:
+                    dense_cache[(hq, hkv, batch, context)] = bench_dense(hq, hkv, batch, context, args.repeats)
+                dense = dense_cache[(hq, hkv, batch, context)]
+                for q_len in q_lens:
+                    for fmt in fmts:
+                        r = bench_case(fmt, hq, hkv, batch, context, q_len, args.repeats)
+                        speedup = f"{dense / r['us']:.1f}x" if (dense and q_len == 1) else "-"
+                        row = (f"| {hq}/{hkv} | {batch} | {context // 1024}k | {q_len} | {fmt.name} | "
+                               f"{r['us']:.1f} | {r['p10']:.1f}-{r['p90']:.1f} | {r['bytes'] / 1e6:.2f} | "
+                               f"{r['tbps']:.2f} | {100 * r['tbps'] * 1e12 / HBM:.0f}% | "
+                               f"{'-' if dense is None or q_len != 1 else f'{dense:.1f}'} | {speedup} |")
+                        print(row, flush=True)
+                        rows.append(row)
+    print("\n| heads | B | context | q_len | format | us/call (median) | p10-p90 | MB read | TB/s | of 4.3 TB/s "
+          "| dense cuDNN us | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

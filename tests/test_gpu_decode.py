@@ -1,0 +1,211 @@
+"""SM90 decode kernel vs the fp32 reference on the GPU (run on the H200: `.ci/gpu_run.sh test`).
+
+Every format x GQA 8/16 x q_len 1/4 x batch 1/7/64 with contexts off the 128 grid, plus corner cases.
+Outputs are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1), so an unwritten element shows.
+Bound: the kernel's error against the fp32 reference is at most 2x the error of a bf16 jnp implementation
+(jax_msa.reference with precision="bf16") on the same inputs.
+"""
+
+import os
+
+os.environ.setdefault("JAX_MSA_DEBUG_POISON", "1")  # read once by the CUDA handlers, before their first call
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_msa
+from jax_msa import KVFormat, reference
+
+pytestmark = pytest.mark.gpu
+
+D = 128
+HKV = 2
+K = 16
+
+
+def _gpu():
+    return [d for d in jax.devices() if d.platform == "gpu"]
+
+
+PAGES = 64 * 26 + 3  # one cache size for every case: fewer distinct shapes to compile
+
+
+def _random_cache(rng, fmt, pages, hkv, k_scale, v_scale):
+    """Random cache bytes made in numpy (no compile): bf16 normals, e4m3 of normals, random NVFP4 nibbles with
+    e4m3 block scales. Every code decodes to a finite value."""
+    shape = (pages, hkv, 128, 2 * D)
+    if fmt == KVFormat.BF16:
+        return jnp.asarray(rng.standard_normal(shape).astype(ml_dtypes.bfloat16)), {}
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    if fmt == KVFormat.FP8:
+        return jnp.asarray(rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn)), scales
+    cache = rng.integers(0, 256, (pages, 2 * hkv, 128 * (D // 2 + D // 16)), dtype=np.uint8)
+    sf = (np.abs(rng.standard_normal((pages, 2 * hkv, 128 * D // 16))) * 0.3 + 2.0**-9).astype(ml_dtypes.float8_e4m3fn)
+    cache[:, :, 128 * D // 2:] = sf.view(np.uint8)
+    return jnp.asarray(cache.reshape(pages, 2 * hkv, 128, D // 2 + D // 16)), scales
+
+
+def make_case(seed, fmt, group, q_len, batch, *, corner=None):
+    rng = np.random.default_rng(seed)
+    hq = HKV * group
+    seq = rng.integers(q_len + 1, 3000, batch)
+    seq = np.where(seq % 128 == 0, seq + 1, seq)
+    if corner == "short":  # contexts shorter than one block
+        seq = rng.integers(q_len, 100, batch)
+    if corner == "straddle":  # draft tokens fall in different blocks
+        seq = 128 * rng.integers(1, 20, batch) + rng.integers(1, q_len, batch)
+    seq = seq.astype(np.int32)
+    max_blocks = 26
+    perm = rng.permutation(PAGES).astype(np.int32)
+    block_table = perm[: batch * max_blocks].reshape(batch, max_blocks)
+    block_table[:, -1] = PAGES + 7  # a column no valid block reaches holds an invalid page id
+    cache, scales = _random_cache(rng, fmt, PAGES, HKV, 0.75, 1.25)
+    t = batch * q_len
+    q = jnp.asarray(rng.standard_normal((t, hq, D)), jnp.bfloat16)
+    topk = np.full((HKV, t, K), -1, np.int32)
+    for tok in range(t):
+        b = tok // q_len
+        pos = seq[b] - q_len + tok % q_len
+        n_blocks = -(-seq[b] // 128)
+        for g in range(HKV):
+            row = list(rng.integers(0, n_blocks, K))
+            row[0] = pos // 128  # the local block
+            for j in range(K):
+                r = rng.random()
+                if r < 0.15:
+                    row[j] = -1  # hole
+                elif r < 0.22:
+                    row[j] = n_blocks + rng.integers(0, 4)  # beyond the sequence
+                elif r < 0.25:
+                    row[j] = 10**6
+                elif r < 0.35:
+                    row[j] = row[rng.integers(0, K)]  # duplicate
+            if corner == "holes" and g == 0 and tok % 2 == 0:
+                row = [-1] * K
+            topk[g, tok] = rng.permutation(row)
+    return dict(q=q, kv_cache=cache, topk=jnp.asarray(topk), seq_lens=jnp.asarray(seq),
+                block_table=jnp.asarray(block_table), decode_query_len=q_len, **scales)
+
+
+def numpy_decode(case, bf16):
+    """MSA decode in numpy, straight from MSA.md section 2. bf16=False: float64 oracle. bf16=True: what a
+    bf16 implementation computes (bf16 q, K, V and P, fp32 accumulation and softmax)."""
+    q = np.asarray(case["q"].astype(jnp.float32), np.float64)
+    if "q_scale" in case:
+        q = q * case["q_scale"]
+    kf, vf = jax_msa.kv_cache.dequantize_cache(case["kv_cache"], D, case.get("k_scale", 1.0), case.get("v_scale", 1.0))
+    kf, vf = np.asarray(kf, np.float64), np.asarray(vf, np.float64)
+    topk, seq = np.asarray(case["topk"]), np.asarray(case["seq_lens"])
+    bt, ql = np.asarray(case["block_table"]), case["decode_query_len"]
+    t_total, hq, _ = q.shape
+    group = hq // HKV
+    dt = np.float32 if bf16 else np.float64
+    rnd = (lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32)) if bf16 else (lambda x: x)
+    out = np.zeros((t_total, hq, D))
+    lse = np.full((t_total, hq), -np.inf)
+    for t in range(t_total):
+        b = t // ql
+        pos = seq[b] - ql + t % ql
+        n_blocks = min(-(-seq[b] // 128), bt.shape[1])
+        for g in range(HKV):
+            ids = sorted({i for i in topk[g, t] if 0 <= i < n_blocks and 128 * i <= pos})
+            ids = [i for i in ids if 0 <= bt[b, i] < kf.shape[0]]
+            if not ids:
+                continue
+            keys = np.concatenate([kf[bt[b, i], g] for i in ids]).astype(dt)
+            vals = np.concatenate([vf[bt[b, i], g] for i in ids]).astype(dt)
+            kpos = np.concatenate([128 * i + np.arange(128) for i in ids])
+            keep = kpos <= pos
+            qg = rnd(q[t, g * group:(g + 1) * group].astype(dt))
+            s = (qg @ rnd(keys[keep]).T) * dt(D**-0.5)
+            m = s.max(-1, keepdims=True)
+            e = np.exp(s - m)
+            l = e.sum(-1)
+            out[t, g * group:(g + 1) * group] = (rnd(e) @ rnd(vals[keep])) / l[:, None]
+            lse[t, g * group:(g + 1) * group] = m[:, 0] + np.log(l)
+    return out, lse
+
+
+def run_kernel(case):
+    """The kernel under jit; decode_query_len is static."""
+    arrays = {k: v for k, v in case.items() if k != "decode_query_len"}
+    ql = case["decode_query_len"]
+    return jax.jit(lambda c: jax_msa.sparse_decode(**c, decode_query_len=ql, return_lse=True, impl="kernel"))(arrays)
+
+
+def check_case(case):
+    out, lse = run_kernel(case)
+    o = np.asarray(out, np.float32)
+    lse = np.asarray(lse)
+    assert not np.isnan(o).any(), "unwritten (NaN-poisoned) or NaN outputs"
+    assert not np.isnan(lse).any()
+    ref_out, ref_lse = numpy_decode(case, bf16=False)
+    b16_out, b16_lse = numpy_decode(case, bf16=True)
+    b16_out = b16_out.astype(ml_dtypes.bfloat16).astype(np.float64)  # outputs are bf16 in both
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    assert np.all(o[empty] == 0.0), "empty selections must give exactly 0"
+    k_err, b_err = np.abs(o - ref_out), np.abs(b16_out - ref_out)
+    norm = max(np.linalg.norm(ref_out), 1e-30)
+    assert np.linalg.norm(k_err) / norm <= 2 * np.linalg.norm(b_err) / norm + 1e-7
+    assert k_err.max() <= 2 * b_err.max() + 2.0**-12, (k_err.max(), b_err.max())
+    live = ~empty
+    if live.any():
+        assert np.abs(lse[live] - ref_lse[live]).max() <= 2 * np.abs(b16_lse[live] - ref_lse[live]).max() + 1e-5
+    return out
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("batch", [1, 7, 64])
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("group", [8, 16])
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_decode_matrix(fmt, group, q_len, batch):
+    check_case(make_case(1000 * int(fmt) + 100 * group + 10 * q_len + batch, fmt, group, q_len, batch))
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("corner", ["holes", "short", "straddle"])
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_decode_corners(fmt, corner):
+    check_case(make_case(7 + int(fmt), fmt, 16, 4, 5, corner=corner))
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("topk", [4, 8, 32])
+def test_decode_topk_sizes(topk):
+    case = make_case(31 + topk, KVFormat.BF16, 16, 2, 3)
+    rng = np.random.default_rng(topk)
+    seq = np.asarray(case["seq_lens"])
+    t = case["q"].shape[0]
+    ids = rng.integers(-1, -(-int(seq.max()) // 128), (HKV, t, topk)).astype(np.int32)
+    case["topk"] = jnp.asarray(ids)
+    check_case(case)
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+def test_decode_fp8_query():
+    case = make_case(77, KVFormat.FP8, 16, 1, 9)
+    q_scale = 0.05
+    case["q"] = (case["q"].astype(jnp.float32) / q_scale).astype(jnp.float8_e4m3fn)
+    case["q_scale"] = q_scale
+    check_case(case)
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+def test_decode_deterministic():
+    case = make_case(5, KVFormat.NVFP4, 16, 1, 2)
+    a = run_kernel(case)
+    b = run_kernel(case)
+    np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+@pytest.mark.sanitize
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_decode_small_for_sanitizer(fmt):
+    check_case(make_case(3, fmt, 16, 2, 2))

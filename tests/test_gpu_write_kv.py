@@ -1,0 +1,197 @@
+"""The CUDA write_kv kernel (cc/cuda/write_kv.cu) against the jnp quantizer run on the CPU, byte for byte.
+
+For every format (bf16, FP8, NVFP4), D in {64, 128} and Hkv in {1, 4}: k / v groups drawn from the corner
+cases of MSA.md section 4 (E2M1 midpoint ties, values that saturate E4M3 / E2M1, scales that land in or
+below the E4M3 subnormal range, negative zeros, all-zero groups, bf16 subnormals, the bf16 maximum), slots
+with -1, negative, out-of-range and INT32_MAX entries, and a cache pre-filled with random (NaN-free) bytes
+so that any stray write is caught. The expected cache is jax_msa.reference.write_kv computed on the CPU
+device (its divisions are the correctly rounded kvc.div_rn). Also: donation updates the cache in place,
+zero new tokens leave it untouched, and the GPU lowering is the custom call (never the reference).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_msa
+from jax_msa import kv_cache as kvc
+from jax_msa import reference
+
+pytestmark = pytest.mark.gpu
+
+PAGE = kvc.PAGE_SIZE
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+
+
+def _gpu():
+    return jax.devices("gpu")[0]
+
+
+def _cpu():
+    return jax.devices("cpu")[0]
+
+
+def _corner_case_values(rng, shape, global_scale: float) -> np.ndarray:
+    """float32 [..., D] (D % 16 == 0) built from 16-value groups of one kind each."""
+    *lead, d = shape
+    groups = int(np.prod(lead)) * (d // 16)
+    out = rng.standard_normal((groups, 16)).astype(np.float32) * 2.0
+    kind = rng.integers(0, 9, groups)
+    for i in range(groups):
+        k = kind[i]
+        if k == 1:  # exact E2M1 ties: amax = 6 * 2^e * global, the rest midpoints * 2^e * global
+            e = float(rng.integers(-9, 8))
+            vals = rng.choice(E2M1_MIDPOINTS, 16) * rng.choice([-1.0, 1.0], 16)
+            vals[rng.integers(0, 16)] = 6.0
+            out[i] = vals * 2.0**e * global_scale
+        elif k == 2:  # saturating E4M3 (and the NVFP4 scale), the bf16 maximum included
+            out[i] *= 1e4
+            out[i, rng.integers(0, 16)] = rng.choice([-1.0, 1.0]) * BF16_MAX
+        elif k == 3:  # tiny groups: E4M3-subnormal or clamped (2^-9) block scales
+            out[i] *= 10.0 ** rng.uniform(-7.0, -1.5)
+        elif k == 4:  # negative zeros mixed into a normal group
+            out[i, rng.random(16) < 0.5] = -0.0
+        elif k == 5:
+            out[i] = 0.0
+        elif k == 6:
+            out[i] = -0.0
+        elif k == 7:  # bf16 subnormals
+            out[i] *= 1e-39
+    return out.reshape(shape)
+
+
+def _random_slots(rng, n: int, pages: int) -> np.ndarray:
+    """Distinct valid slots (a shuffled subset of the cache) with skipped entries mixed in."""
+    slots = rng.permutation(pages * PAGE)[:n].astype(np.int64)
+    r = rng.random(n)
+    slots = np.where(r < 0.08, -1, slots)
+    slots = np.where((r >= 0.08) & (r < 0.12), rng.integers(INT32_MIN, -1, n), slots)
+    slots = np.where((r >= 0.12) & (r < 0.16), pages * PAGE + rng.integers(0, 3 * PAGE, n), slots)
+    slots = np.where((r >= 0.16) & (r < 0.18), INT32_MAX, slots)
+    return slots.astype(np.int32)
+
+
+def _random_cache(rng, fmt, pages: int, hkv: int, d: int) -> np.ndarray:
+    """Random bytes in the cache's dtype, NaN-free (bf16: finite values; E4M3: the NaN codes replaced)."""
+    if fmt == kvc.KVFormat.BF16:
+        return (rng.standard_normal((pages, hkv, PAGE, 2 * d)) * 4.0).astype(ml_dtypes.bfloat16)
+    if fmt == kvc.KVFormat.FP8:
+        b = rng.integers(0, 256, (pages, hkv, PAGE, 2 * d), dtype=np.uint8)
+        b[(b & 0x7F) == 0x7F] ^= 0x01
+        return b.view(ml_dtypes.float8_e4m3fn)
+    return rng.integers(0, 256, (pages, 2 * hkv, PAGE, kvc.nvfp4_token_bytes(d)), dtype=np.uint8)
+
+
+def _as_bytes(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint8)
+
+
+@functools.cache
+def _gpu_write(k_scale, v_scale):
+    """jit(write_kv) on the GPU with the cache donated; the kernel path only."""
+    def write(cache, k, v, slots):
+        return jax_msa.write_kv(cache, k, v, slots, k_scale=k_scale, v_scale=v_scale, impl="kernel")
+    return jax.jit(write, donate_argnums=0)
+
+
+@functools.cache
+def _cpu_reference(k_scale, v_scale):
+    def write(cache, k, v, slots):
+        return reference.write_kv(cache, k, v, slots, k_scale=k_scale, v_scale=v_scale)
+    return jax.jit(write)
+
+
+def _expected_on_cpu(cache, k, v, slots, k_scale, v_scale) -> np.ndarray:
+    cpu = _cpu()
+    with jax.default_device(cpu):
+        args = [jax.device_put(jnp.asarray(x), cpu) for x in (cache, k, v, slots)]
+        return _as_bytes(_cpu_reference(k_scale, v_scale)(*args))
+
+
+def _problem(fmt, d, hkv, seed, n=300, pages=4):
+    rng = np.random.default_rng(seed)
+    quantized = fmt != kvc.KVFormat.BF16
+    # Hkv = 1: default scales (None = 1.0); Hkv = 4: a power-of-two K scale (ties stay exact) and an
+    # arbitrary V scale.
+    k_scale, v_scale = (0.5, 0.0371) if (quantized and hkv == 4) else (None, None)
+    k = _corner_case_values(rng, (n, hkv, d), 1.0 if k_scale is None else k_scale).astype(ml_dtypes.bfloat16)
+    v = _corner_case_values(rng, (n, hkv, d), 1.0 if v_scale is None else v_scale).astype(ml_dtypes.bfloat16)
+    slots = _random_slots(rng, n, pages)
+    cache = _random_cache(rng, fmt, pages, hkv, d)
+    return cache, k, v, slots, k_scale, v_scale
+
+
+def _first_mismatch(got: np.ndarray, want: np.ndarray) -> str:
+    bad = np.argwhere(got != want)
+    idx = tuple(bad[0])
+    return f"{len(bad)} bytes differ; first at {idx}: got {got[idx]:#04x}, want {want[idx]:#04x}"
+
+
+FORMATS = [kvc.KVFormat.BF16, kvc.KVFormat.FP8, kvc.KVFormat.NVFP4]
+
+
+@pytest.mark.parametrize("hkv", [1, 4])
+@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name.lower())
+def test_cuda_write_kv_matches_cpu_reference_bytes(fmt, d, hkv):
+    seed = 1000 + 100 * int(fmt) + 10 * hkv + d // 64
+    cache, k, v, slots, k_scale, v_scale = _problem(fmt, d, hkv, seed)
+    want = _expected_on_cpu(cache, k, v, slots, k_scale, v_scale)
+    gpu = _gpu()
+    args = [jax.device_put(jnp.asarray(x), gpu) for x in (cache, k, v, slots)]
+    got = _as_bytes(_gpu_write(k_scale, v_scale)(*args))
+    assert got.shape == want.shape
+    assert (got == want).all(), _first_mismatch(got, want)
+    # The problem really writes something and really keeps something: both regions are checked.
+    written = (slots >= 0) & (slots < cache.shape[0] * PAGE)
+    assert 0 < written.sum() < cache.shape[0] * PAGE
+    assert (want != _as_bytes(cache)).any()
+
+
+def test_cuda_write_kv_lowers_to_the_custom_call_with_aliasing():
+    cache, k, v, slots, k_scale, v_scale = _problem(kvc.KVFormat.NVFP4, 128, 4, seed=7, n=16, pages=1)
+    text = _gpu_write(k_scale, v_scale).lower(cache, k, v, slots).as_text()
+    assert "stablehlo.custom_call @jax_msa_write_kv" in text
+    assert "output_operand_aliases" in text
+    assert "tf.aliasing_output = 0" in text
+
+
+def test_cuda_write_kv_donated_cache_is_updated_in_place():
+    cache, k, v, slots, k_scale, v_scale = _problem(kvc.KVFormat.NVFP4, 128, 4, seed=8)
+    _, k2, v2, slots2, _, _ = _problem(kvc.KVFormat.NVFP4, 128, 4, seed=9)
+    want = _expected_on_cpu(cache, k, v, slots, k_scale, v_scale)
+    want = _expected_on_cpu(want.view(cache.dtype).reshape(cache.shape), k2, v2, slots2, k_scale, v_scale)
+    gpu = _gpu()
+    fn = _gpu_write(k_scale, v_scale)
+    dev_cache = jax.device_put(jnp.asarray(cache), gpu)
+    ptr = dev_cache.unsafe_buffer_pointer()
+    out = fn(dev_cache, *(jax.device_put(jnp.asarray(x), gpu) for x in (k, v, slots)))
+    assert dev_cache.is_deleted()
+    assert out.unsafe_buffer_pointer() == ptr
+    out2 = fn(out, *(jax.device_put(jnp.asarray(x), gpu) for x in (k2, v2, slots2)))
+    assert out2.unsafe_buffer_pointer() == ptr
+    got = _as_bytes(out2)
+    assert (got == want).all(), _first_mismatch(got, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name.lower())
+def test_cuda_write_kv_with_only_skipped_or_no_tokens_leaves_the_cache(fmt):
+    rng = np.random.default_rng(40 + int(fmt))
+    cache = _random_cache(rng, fmt, 2, 2, 128)
+    gpu = _gpu()
+    for n, slots in ((0, np.zeros((0,), np.int32)),
+                     (5, np.array([-1, 2 * PAGE, INT32_MAX, INT32_MIN, -PAGE], np.int32))):
+        k = rng.standard_normal((n, 2, 128)).astype(ml_dtypes.bfloat16)
+        v = rng.standard_normal((n, 2, 128)).astype(ml_dtypes.bfloat16)
+        out = _gpu_write(None, None)(*(jax.device_put(jnp.asarray(x), gpu) for x in (cache, k, v, slots)))
+        got = _as_bytes(out)
+        assert (got == _as_bytes(cache)).all(), _first_mismatch(got, _as_bytes(cache))

@@ -1,0 +1,406 @@
+"""Bit-exact checks of the KV-block-major prefill plan (jax_msa/plan.py, MSA.md section 5).
+
+``numpy_prefill_plan`` below is an independent oracle written from plan.py's docstring with explicit
+loops and dicts: per (KV head, token) the set of valid block ids, ranks as positions in the sorted set,
+CSR rows ``b * max_blocks + id`` listing tokens ascending, and tiles of at most ``queries_per_tile``
+consecutive edges per (head, row), largest first with ties in (head, row, tile) order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_msa
+from jax_msa import reference
+from jax_msa.plan import PrefillPlan, build_prefill_plan, default_queries_per_tile, work_capacity
+
+PAGE = 128
+FIELDS = ("row_ptr", "edge_query", "edge_rank", "query_edge_count", "work", "num_work")
+
+jit_build = jax.jit(build_prefill_plan, static_argnames=("max_blocks", "queries_per_tile"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The oracle
+# ---------------------------------------------------------------------------------------------------------
+
+def token_table(cu_seqlens, seq_lens):
+    """{token: (request, position)} for every token inside a request (pos = seq_len - q_len + i)."""
+    table = {}
+    for b in range(len(seq_lens)):
+        q_len = int(cu_seqlens[b + 1]) - int(cu_seqlens[b])
+        for i in range(q_len):
+            table[int(cu_seqlens[b]) + i] = (b, int(seq_lens[b]) - q_len + i)
+    return table
+
+
+def valid_block_ids(ids, seq_len, pos, max_blocks):
+    """Sorted unique ids with 0 <= id < min(ceil(seq_len / 128), max_blocks) and 128 * id <= pos."""
+    n_blocks = min(-(-seq_len // PAGE), max_blocks)
+    return sorted({int(i) for i in ids if 0 <= i < n_blocks and PAGE * int(i) <= pos})
+
+
+def numpy_prefill_plan(topk, cu_seqlens, seq_lens, max_blocks, queries_per_tile):
+    topk = np.asarray(topk)
+    hkv, total_q, k = topk.shape
+    batch = len(seq_lens)
+    rows = batch * max_blocks
+    edges = total_q * k
+    tokens = token_table(np.asarray(cu_seqlens), np.asarray(seq_lens))
+
+    row_ptr = np.zeros((hkv, rows + 1), np.int32)
+    edge_query = np.full((hkv, edges), -1, np.int32)
+    edge_rank = np.full((hkv, edges), -1, np.int32)
+    query_edge_count = np.zeros((hkv, total_q), np.int32)
+    tiles = []  # (head, row, edge_begin, edge_count) in (head, row, tile) order
+    for g in range(hkv):
+        members = {}  # row -> [(token, rank)], tokens ascending since t ascends
+        for t in range(total_q):
+            if t not in tokens:
+                continue
+            b, pos = tokens[t]
+            chosen = valid_block_ids(topk[g, t], int(seq_lens[b]), pos, max_blocks)
+            query_edge_count[g, t] = len(chosen)
+            for rank, block in enumerate(chosen):
+                members.setdefault(b * max_blocks + block, []).append((t, rank))
+        e = 0
+        for r in range(rows):
+            row_ptr[g, r] = e
+            entries = members.get(r, [])
+            for t, rank in entries:
+                edge_query[g, e] = t
+                edge_rank[g, e] = rank
+                e += 1
+            for start in range(0, len(entries), queries_per_tile):
+                tiles.append((g, r, row_ptr[g, r] + start, min(queries_per_tile, len(entries) - start)))
+        row_ptr[g, rows] = e
+
+    tiles.sort(key=lambda tile: -tile[3])  # Python's sort is stable: ties keep (head, row, tile) order
+    capacity = hkv * rows + math.ceil(hkv * edges / queries_per_tile)
+    work = np.zeros((capacity, 4), np.int32)
+    for w, tile in enumerate(tiles):
+        work[w] = tile
+    return dict(row_ptr=row_ptr, edge_query=edge_query, edge_rank=edge_rank,
+                query_edge_count=query_edge_count, work=work, num_work=np.array([len(tiles)], np.int32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Random inputs
+# ---------------------------------------------------------------------------------------------------------
+
+def random_batch(rng, batch, total_q, max_blocks):
+    """(cu_seqlens [B+1], seq_lens [B]): varlen requests of 0, 1, 127..129, 1023 or random new tokens,
+    with or without a prefix (chunked prefill), sometimes past the block-table width or shorter than
+    the chunk; the packed tokens may stop before total_q (padding)."""
+    q_lens, seq_lens, used = [], [], 0
+    for _ in range(batch):
+        kind = rng.choice(["zero", "one", "special", "random", "random"])
+        q_len = {"zero": 0, "one": 1, "special": int(rng.choice([127, 128, 129, 1023])),
+                 "random": int(rng.integers(1, max(2, total_q // batch + 1)))}[kind]
+        q_len = min(q_len, total_q - used)
+        used += q_len
+        prefix = rng.choice(["none", "random", "beyond", "negative"], p=[0.3, 0.45, 0.1, 0.15])
+        extra = {"none": 0, "random": int(rng.integers(0, PAGE * max_blocks + 1)),
+                 "beyond": PAGE * max_blocks + int(rng.integers(0, 300)),
+                 "negative": -int(rng.integers(0, q_len + 1))}[prefix]
+        q_lens.append(q_len)
+        seq_lens.append(max(q_len + extra, 0))
+    if rng.random() < 0.25 and used < total_q:  # sometimes fill the last request up to total_q
+        q_lens[-1] += total_q - used
+        seq_lens[-1] += total_q - used
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return cu, np.asarray(seq_lens, np.int32)
+
+
+def random_topk(rng, hkv, k, cu_seqlens, seq_lens, max_blocks):
+    """topk [Hkv, T, K]: the local block, random (often causally invisible) ids, holes, duplicates,
+    ids past the request's blocks or the table width, int32 extremes (packed tokens only)."""
+    total_q = int(cu_seqlens[-1])
+    tokens = token_table(cu_seqlens, seq_lens)
+    t_all = np.arange(total_q)
+    n_blk = np.array([-(-int(seq_lens[tokens[t][0]]) // PAGE) if t in tokens else max_blocks for t in t_all],
+                     np.int64).reshape(1, -1, 1)
+    local = np.array([tokens[t][1] // PAGE if t in tokens else 0 for t in t_all], np.int64).reshape(1, -1, 1)
+    shape = (hkv, total_q, k)
+    category = rng.integers(0, 8, shape)
+    ids = np.where(category == 0, -1, 0)
+    ids = np.where(category == 1, local, ids)
+    ids = np.where(category == 2, rng.integers(0, 1 << 30, shape) % np.maximum(local + 1, 1), ids)
+    ids = np.where(category == 3, rng.integers(0, 1 << 30, shape) % np.maximum(n_blk, 1), ids)
+    ids = np.where(category == 4, n_blk + rng.integers(0, 3, shape), ids)
+    ids = np.where(category == 5, max_blocks + rng.integers(0, 3, shape), ids)
+    ids = np.where(category == 6, rng.choice([-2**31, 2**31 - 1, -7, 1 << 20], shape), ids)
+    ids = np.where(category == 7, rng.integers(-3, max_blocks + 3, shape), ids)
+    ids[..., 0] = np.where(rng.random(shape[:2]) < 0.8, local[..., 0], ids[..., 0])  # the forced local block
+    dup = rng.random(shape) < 0.2
+    ids = np.where(dup, np.take_along_axis(ids, rng.integers(0, k, shape), axis=-1), ids)
+    return ids.astype(np.int32)
+
+
+def random_case(seed, hkv, k, batch, max_blocks, total_q):
+    rng = np.random.default_rng(seed)
+    cu, seq_lens = random_batch(rng, batch, total_q, max_blocks)
+    topk = np.empty((hkv, total_q, k), np.int32)
+    packed = int(cu[-1])
+    topk[:, :packed] = random_topk(rng, hkv, k, cu, seq_lens, max_blocks)
+    topk[:, packed:] = rng.integers(-2, max_blocks + 2, (hkv, total_q - packed, k))  # padding tokens
+    return topk, cu, seq_lens
+
+
+# (Hkv, K, B, max_blocks, T, queries_per_tile): each shape compiles once and serves several draws.
+SHAPES = [
+    (1, 4, 1, 1, 1, 1),         # one token, one block
+    (2, 8, 4, 8, 1300, 16),     # lengths 1/127/129/1023 with prefixes
+    (3, 16, 3, 12, 400, 8),     # chunked prefill, varlen
+    (4, 32, 8, 6, 12, 1),       # many short requests, q_len 1, K > blocks
+    (2, 4, 5, 5, 300, 8),       # zero-new-token requests, padding
+    (1, 5, 2, 20, 700, 3),      # odd K and tile size
+    (2, 16, 2, 2, 600, 16),     # block-table width below the request's blocks
+    (4, 12, 3, 9, 257, 8),
+]
+DRAWS = 5
+
+
+def shape_id(s):
+    return "Hkv{}-K{}-B{}-MB{}-T{}-Q{}".format(*s)
+
+
+def plan_numpy(plan: PrefillPlan):
+    return {f: np.asarray(getattr(plan, f)) for f in FIELDS}
+
+
+def draws(shape):
+    hkv, k, batch, max_blocks, total_q, qpt = shape
+    for d in range(DRAWS):
+        seed = 100 * SHAPES.index(shape) + d
+        topk, cu, seq_lens = random_case(seed, hkv, k, batch, max_blocks, total_q)
+        plan = jit_build(jnp.asarray(topk), jnp.asarray(cu), jnp.asarray(seq_lens), max_blocks=max_blocks,
+                         queries_per_tile=qpt)
+        yield seed, (topk, cu, seq_lens), plan
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bit-exact equality with the oracle
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_plan_matches_numpy_oracle(shape):
+    hkv, k, batch, max_blocks, total_q, qpt = shape
+    for seed, (topk, cu, seq_lens), plan in draws(shape):
+        want = numpy_prefill_plan(topk, cu, seq_lens, max_blocks, qpt)
+        got = plan_numpy(plan)
+        for f in FIELDS:
+            assert got[f].dtype == np.int32, f
+            np.testing.assert_array_equal(got[f], want[f], err_msg=f"{f} (seed {seed}, cu {cu}, seq {seq_lens})")
+        assert plan.queries_per_tile == qpt and plan.max_blocks == max_blocks
+
+
+@pytest.mark.parametrize("prefix", [0, 3 * PAGE + 5], ids=["prefill", "chunked"])
+def test_plan_matches_numpy_oracle_on_edge_lengths(prefix):
+    """Requests of 1, 127, 129 and 1023 new tokens, a zero-new-token request, padding tokens."""
+    hkv, k, max_blocks, qpt = 2, 16, 12, 8
+    q_lens = np.array([1, 127, 0, 129, 1023, 1])
+    seq_lens = (q_lens + prefix).astype(np.int32)
+    seq_lens[2] = 700
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    total_q = int(cu[-1]) + 9
+    rng = np.random.default_rng(prefix)
+    topk = np.empty((hkv, total_q, k), np.int32)
+    topk[:, :cu[-1]] = random_topk(rng, hkv, k, cu, seq_lens, max_blocks)
+    topk[:, cu[-1]:] = rng.integers(-1, max_blocks, (hkv, total_q - int(cu[-1]), k))
+    tokens = token_table(cu, seq_lens)
+    topk[:, :cu[-1], 0] = [tokens[t][1] // PAGE for t in range(int(cu[-1]))]  # the forced local block
+    got = plan_numpy(jit_build(jnp.asarray(topk), jnp.asarray(cu), jnp.asarray(seq_lens), max_blocks=max_blocks,
+                               queries_per_tile=qpt))
+    want = numpy_prefill_plan(topk, cu, seq_lens, max_blocks, qpt)
+    for f in FIELDS:
+        np.testing.assert_array_equal(got[f], want[f], err_msg=f)
+    check_invariants(got, hkv, k, len(q_lens), max_blocks, total_q, qpt)
+    assert np.all(got["query_edge_count"][:, cu[-1]:] == 0)
+    assert np.all(got["query_edge_count"][:, :cu[-1]] >= 1)  # the local block is always there
+
+
+def test_oracle_hand_example():
+    """The oracle itself on a case worked by hand: one request, 200 keys, 3 new tokens at 197..199."""
+    topk = np.array([[[1, -1, 1], [0, 5, 1], [9, 0, 0]]], np.int32)  # Hkv 1, T 3, K 3
+    want = numpy_prefill_plan(topk, np.array([0, 3]), np.array([200]), max_blocks=2, queries_per_tile=2)
+    np.testing.assert_array_equal(want["row_ptr"], [[0, 2, 4]])
+    np.testing.assert_array_equal(want["edge_query"], [[1, 2, 0, 1, -1, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(want["edge_rank"], [[0, 0, 0, 1, -1, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(want["query_edge_count"], [[1, 2, 1]])
+    np.testing.assert_array_equal(want["work"][:3], [[0, 0, 0, 2], [0, 1, 2, 2], [0, 0, 0, 0]])
+    assert want["work"].shape == (2 + 5, 4) and want["num_work"][0] == 2
+    got = plan_numpy(jit_build(jnp.asarray(topk), jnp.array([0, 3], jnp.int32), jnp.array([200], jnp.int32),
+                               max_blocks=2, queries_per_tile=2))
+    for f in FIELDS:
+        np.testing.assert_array_equal(got[f], want[f], err_msg=f)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Invariants of the builder's output alone
+# ---------------------------------------------------------------------------------------------------------
+
+def check_invariants(p, hkv, k, batch, max_blocks, total_q, qpt):
+    rows = batch * max_blocks
+    nnz = p["row_ptr"][:, rows]
+    assert p["work"].shape == (hkv * rows + math.ceil(hkv * total_q * k / qpt), 4)
+    assert p["work"].shape[0] == work_capacity(hkv, total_q, k, batch, max_blocks, qpt)
+    np.testing.assert_array_equal(p["query_edge_count"].sum(axis=1), nnz)
+    assert np.all(np.diff(p["row_ptr"], axis=1) >= 0) and np.all(p["row_ptr"][:, 0] == 0)
+    row_count = np.diff(p["row_ptr"], axis=1)
+    n_work = int(p["num_work"][0])
+    assert n_work == int(((row_count + qpt - 1) // qpt).sum())
+    assert np.all(p["work"][n_work:] == 0)
+    counts = p["work"][:n_work, 3]
+    assert np.all(counts >= 1) and np.all(counts <= qpt) and np.all(np.diff(counts) <= 0)
+    cover = np.zeros((hkv, total_q * k), np.int64)
+    for g, r, begin, count in p["work"][:n_work]:
+        assert 0 <= g < hkv and 0 <= r < rows
+        assert p["row_ptr"][g, r] <= begin and begin + count <= p["row_ptr"][g, r + 1]
+        cover[g, begin:begin + count] += 1
+    for g in range(hkv):
+        assert np.all(cover[g, :nnz[g]] == 1) and np.all(cover[g, nnz[g]:] == 0)
+        q, rank = p["edge_query"][g, :nnz[g]], p["edge_rank"][g, :nnz[g]]
+        assert np.all(p["edge_query"][g, nnz[g]:] == -1) and np.all(p["edge_rank"][g, nnz[g]:] == -1)
+        assert np.all((q >= 0) & (q < total_q)) and np.all((rank >= 0) & (rank < p["query_edge_count"][g, q]))
+        row_of_edge = np.repeat(np.arange(rows), row_count[g])
+        block = row_of_edge % max_blocks
+        # (query, rank) pairs are distinct, so each query's ranks are exactly 0..count-1, and a query's
+        # blocks ascend with its ranks; within a row the queries ascend.
+        order = np.lexsort((rank, q))
+        assert len(set(zip(q.tolist(), rank.tolist()))) == len(q)
+        same_query = q[order][1:] == q[order][:-1]
+        assert np.all(np.diff(block[order])[same_query] > 0)
+        same_row = row_of_edge[1:] == row_of_edge[:-1]
+        assert np.all(np.diff(q)[same_row] > 0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_plan_invariants(shape):
+    hkv, k, batch, max_blocks, total_q, qpt = shape
+    for _, _, plan in draws(shape):
+        check_invariants(plan_numpy(plan), *shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Static shapes: no retrace, no host sync
+# ---------------------------------------------------------------------------------------------------------
+
+def test_no_retrace_and_no_host_sync():
+    hkv, k, batch, max_blocks, total_q, qpt = 2, 8, 3, 6, 200, 8
+    traces = []
+
+    def build(topk, cu, seq_lens):
+        traces.append(1)
+        return build_prefill_plan(topk, cu, seq_lens, max_blocks=max_blocks, queries_per_tile=qpt)
+
+    build_jit = jax.jit(build)
+    seen_num_work = set()
+    for seed in range(4):
+        topk, cu, seq_lens = random_case(1000 + seed, hkv, k, batch, max_blocks, total_q)
+        args = jax.device_put((topk, cu, seq_lens))
+        with jax.transfer_guard("disallow"):  # nothing crosses between host and device
+            plan = build_jit(*args)
+        got = plan_numpy(plan)
+        want = numpy_prefill_plan(topk, cu, seq_lens, max_blocks, qpt)
+        for f in FIELDS:
+            np.testing.assert_array_equal(got[f], want[f], err_msg=f)
+        seen_num_work.add(int(got["num_work"][0]))
+    assert len(traces) == 1
+    assert len(seen_num_work) > 1  # the values did change between calls
+
+    # All arrays traced: a concrete-value use would raise here; no callback to the host in the program.
+    jaxpr = jax.make_jaxpr(build)(jax.ShapeDtypeStruct((hkv, total_q, k), jnp.int32),
+                                  jax.ShapeDtypeStruct((batch + 1,), jnp.int32),
+                                  jax.ShapeDtypeStruct((batch,), jnp.int32))
+    assert "callback" not in str(jaxpr)
+
+
+def test_builder_rejects_bad_static_arguments():
+    topk = jnp.zeros((1, 4, 2), jnp.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        build_prefill_plan(topk, jnp.array([0, 4], jnp.int32), jnp.array([4, 4], jnp.int32), max_blocks=1)
+    with pytest.raises(ValueError, match="queries_per_tile"):
+        build_prefill_plan(topk, jnp.array([0, 4], jnp.int32), jnp.array([4], jnp.int32), max_blocks=1,
+                           queries_per_tile=0)
+
+
+def test_32k_token_plan_builds_under_jit():
+    total_q, k, max_blocks = 32768, 16, 256
+    rng = np.random.default_rng(32768)
+    local = np.arange(total_q) // PAGE
+    others = rng.integers(0, 1 << 30, (total_q, k - 1)) % (local[:, None] + 1)
+    topk = np.concatenate([local[:, None], others], axis=1)[None].astype(np.int32)
+    cu = np.array([0, total_q], np.int32)
+    seq_lens = np.array([total_q], np.int32)
+    start = time.perf_counter()
+    plan = jax.block_until_ready(jit_build(jnp.asarray(topk), jnp.asarray(cu), jnp.asarray(seq_lens),
+                                           max_blocks=max_blocks, queries_per_tile=8))
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    jax.block_until_ready(jit_build(jnp.asarray(topk[:, ::-1].copy()), jnp.asarray(cu), jnp.asarray(seq_lens),
+                                    max_blocks=max_blocks, queries_per_tile=8))
+    again = time.perf_counter() - start
+    print(f"\n32k-token plan (Hkv 1, K 16): compile + build {first:.2f} s, rebuild {again:.3f} s")
+    got = plan_numpy(plan)
+    want = numpy_prefill_plan(topk, cu, seq_lens, max_blocks, 8)
+    for f in FIELDS:
+        np.testing.assert_array_equal(got[f], want[f], err_msg=f)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CPU prefill handler consumes plans of any tile size
+# ---------------------------------------------------------------------------------------------------------
+
+def test_cpu_prefill_handler_consumes_any_tile_size():
+    hq, hkv, d, k, max_blocks = 4, 2, 64, 8, 4
+    q_lens, seq_lens = [100, 0, 130, 1, 9], [300, 50, 130, 257, 9]
+    batch, packed = len(q_lens), sum(q_lens)
+    total_q = packed + 6  # padding tokens past cu_seqlens[-1]
+    rng = np.random.default_rng(7)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seq_lens = np.asarray(seq_lens, np.int32)
+    topk = np.empty((hkv, total_q, k), np.int32)
+    topk[:, :packed] = random_topk(rng, hkv, k, cu, seq_lens, max_blocks)
+    topk[:, packed:] = rng.integers(0, max_blocks, (hkv, total_q - packed, k))
+    topk[:, 3] = -1  # a token with no block at all
+    num_pages = batch * max_blocks + 3
+    block_table = rng.permutation(num_pages)[:batch * max_blocks].reshape(batch, max_blocks).astype(np.int32)
+    cache = jnp.asarray(rng.standard_normal((num_pages, hkv, PAGE, 2 * d)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((total_q, hq, d)), jnp.bfloat16)
+    args = dict(cu_seqlens_q=jnp.asarray(cu), seq_lens=jnp.asarray(seq_lens), block_table=jnp.asarray(block_table))
+
+    ref_out, ref_lse = reference.sparse_attention(q, cache, jnp.asarray(topk), return_lse=True, **args)
+    ref_out = np.asarray(ref_out, np.float32)
+    ref_lse = np.asarray(ref_lse)
+    assert np.isneginf(ref_lse).any() and np.isfinite(ref_lse).any()
+
+    run = jax.jit(lambda q, cache, topk, plan, **a: jax_msa.sparse_attention(
+        q, cache, topk, return_lse=True, plan=plan, impl="kernel", **a))
+    results = {}
+    for qpt in (3, 1, default_queries_per_tile(hq, hkv)):
+        plan = jit_build(jnp.asarray(topk), args["cu_seqlens_q"], args["seq_lens"], max_blocks=max_blocks,
+                         queries_per_tile=qpt)
+        out, lse = run(q, cache, jnp.asarray(topk), plan, **args)
+        out = np.asarray(out, np.float32)
+        lse = np.asarray(lse)
+        assert np.all(np.isfinite(out)), qpt
+        rel = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+        assert rel <= 1e-2, (qpt, rel)
+        np.testing.assert_array_less(np.abs(out - ref_out), 2.0**-7 * np.maximum(np.abs(ref_out), 1.0) + 1e-30)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse), err_msg=f"-inf lse, Q={qpt}")
+        finite = np.isfinite(ref_lse)
+        np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-3, rtol=0)
+        np.testing.assert_array_equal(out[~finite], 0.0)
+        results[qpt] = (out, lse)
+    # Partials live at (query, head, rank) and merge in rank order: the tile size cannot change a bit.
+    base_out, base_lse = results[3]
+    for qpt, (out, lse) in results.items():
+        np.testing.assert_array_equal(out, base_out, err_msg=f"Q={qpt}")
+        np.testing.assert_array_equal(lse, base_lse, err_msg=f"Q={qpt}")
