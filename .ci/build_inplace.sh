@@ -8,5 +8,7 @@ PY=${PYTHON:-python3}
 BUILD_DIR=${BUILD_DIR:-build/inplace}
 cmake -S . -B "$BUILD_DIR" -G Ninja -DPython_EXECUTABLE="$(command -v "$PY")" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD_DIR" -j"${JOBS:-2}"
-cp "$BUILD_DIR"/_jax_msa_*.so jax_msa/
+for so in "$BUILD_DIR"/_jax_msa_*.so; do  # copy then rename: never rewrite a module a live process has mapped
+  cp "$so" "jax_msa/.$(basename "$so").tmp" && mv -f "jax_msa/.$(basename "$so").tmp" "jax_msa/$(basename "$so")"
+done
 echo "built: $(ls jax_msa/_jax_msa_*.so | xargs -n1 basename | tr '\n' ' ')"

@@ -47,7 +47,8 @@ def _default_platform() -> str:
 
 
 def _dispatch(name: str, impl: str, kernels: dict, reference_fn, *args):
-    """kernels: platform -> callable(*args) for the platforms that have a kernel for this call."""
+    """kernels: platform -> callable(*args) for the platforms that have a kernel for this call. The
+    kernel path is forward-only; impl="reference" is plain jnp (and differentiable)."""
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}; got {impl!r}")
     if impl == "reference":
@@ -60,7 +61,7 @@ def _dispatch(name: str, impl: str, kernels: dict, reference_fn, *args):
                 f"(kernels here: {sorted(kernels) or 'none'}); use impl='auto' or impl='reference'")
         _ffi.warn_once(f"jax_msa.{name}: no kernel for platform '{here}' with these shapes/formats; "
                        f"using the jnp reference (slow).")
-    return jax.lax.platform_dependent(*args, default=reference_fn, **kernels)
+    return _forward_only(name, lambda *a: jax.lax.platform_dependent(*a, default=reference_fn, **kernels))(*args)
 
 
 def _forward_only(name: str, fn):
@@ -115,9 +116,8 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
     kernels = {"cpu": kernel}
     if _cuda_prefill_supported(cfg):
         kernels["cuda"] = kernel
-    fn = _forward_only("sparse_attention",
-                       lambda *a: _dispatch("sparse_attention", impl, kernels, ref, *a))
-    out, lse = fn(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table, scales, plan)
+    out, lse = _dispatch("sparse_attention", impl, kernels, ref, q, kv_cache, topk, cu_seqlens_q, seq_lens,
+                         block_table, scales, plan)
     return (out, lse) if return_lse else out
 
 
@@ -156,8 +156,7 @@ def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=
     kernels = {"cpu": make_kernel(0)}
     if _cuda_decode_supported(cfg, decode_query_len):
         kernels["cuda"] = make_kernel(decode_num_splits(cfg, decode_query_len))
-    fn = _forward_only("sparse_decode", lambda *a: _dispatch("sparse_decode", impl, kernels, ref, *a))
-    out, lse = fn(q, kv_cache, topk, seq_lens, block_table, scales)
+    out, lse = _dispatch("sparse_decode", impl, kernels, ref, q, kv_cache, topk, seq_lens, block_table, scales)
     return (out, lse) if return_lse else out
 
 
@@ -177,5 +176,4 @@ def write_kv(kv_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None, impl="
     kernels = {"cpu": kernel}
     if _cuda_write_kv_supported(k.shape[-1]):
         kernels["cuda"] = kernel
-    fn = _forward_only("write_kv", lambda *a: _dispatch("write_kv", impl, kernels, ref, *a))
-    return fn(kv_cache, k, v, slot_mapping, scales)
+    return _dispatch("write_kv", impl, kernels, ref, kv_cache, k, v, slot_mapping, scales)

@@ -91,6 +91,15 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     if max(hkv * (rows + 1), hkv * edges) >= 2**31:
         raise ValueError("plan too large for int32 indices")
 
+    if batch == 0 or t_total == 0:  # nothing can be selected: the empty plan of these shapes
+        cap = work_capacity(hkv, t_total, k, batch, max_blocks, queries_per_tile)
+        return PrefillPlan(row_ptr=jnp.zeros((hkv, rows + 1), jnp.int32),
+                           edge_query=jnp.full((hkv, edges), -1, jnp.int32),
+                           edge_rank=jnp.full((hkv, edges), -1, jnp.int32),
+                           query_edge_count=jnp.zeros((hkv, t_total), jnp.int32),
+                           work=jnp.zeros((cap, 4), jnp.int32), num_work=jnp.zeros((1,), jnp.int32),
+                           queries_per_tile=queries_per_tile, max_blocks=max_blocks)
+
     req, pos, in_batch = prefill_positions(cu_seqlens_q, seq_lens, t_total)
     seq_lens = seq_lens.astype(jnp.int32)
     n_blk = jnp.minimum((seq_lens[req] + PAGE_SIZE - 1) // PAGE_SIZE, max_blocks)

@@ -12,6 +12,7 @@
 
 #include "common/kv_format.h"
 #include "common/numeric.h"
+#include "sm90/common/bf16_pack.cuh"
 #include "sm90/decode/config.h"
 
 namespace jax_msa::sm90::decode {
@@ -36,16 +37,19 @@ template <KvFormat F>
 struct ChunkIO;
 
 // ---- bf16: K and V rows of 256 B straight into the swizzled tiles ------------------------------------------
+// Every loader and dequantizer works on one warp's 16 keys [key0, key0 + 16) of the chunk: a warp reads
+// only its own rows, so the main loop needs no CTA-wide barrier (cp.async.wait_group + __syncwarp).
+
 template <>
 struct ChunkIO<KvFormat::kBf16> {
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
-                                              const ChunkRef& c) {
+                                              const ChunkRef& c, int key0, int lane) {
     const uint8_t* base = static_cast<const uint8_t*>(cache) +
                           ((c.page * num_kv_heads + g) * kPageSize + c.half * kChunkKeys) * int64_t(2 * kBf16RowBytes);
 #pragma unroll
-    for (int i = 0; i < 2 * kChunkKeys * 16 / kThreads; ++i) {  // 2048 units of 16 B
-      const int idx = i * kThreads + threadIdx.x;
-      const int kv = idx >> 10, key = (idx >> 4) & 63, unit = idx & 15;
+    for (int i = 0; i < 2 * kKeysPerWarp * 16 / 32; ++i) {  // 512 units of 16 B per warp
+      const int idx = i * 32 + lane;
+      const int kv = idx >> 8, key = key0 + ((idx >> 4) & 15), unit = idx & 15;
       const bool pred = key < c.visible;
       const uint8_t* src = pred ? base + key * (2 * kBf16RowBytes) + kv * kBf16RowBytes + unit * 16 : base;
       cp_async_16(stage + kv * kBf16TileBytes + swizzled_offset(key, unit), src, pred);
@@ -53,46 +57,47 @@ struct ChunkIO<KvFormat::kBf16> {
   }
 };
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// ---- FP8 E4M3: raw rows of 128 B, then e4m3 -> f16 (exact) -> f32 -> bf16 (exact) ------------------------
+// ---- FP8 E4M3: raw rows of 128 B, then e4m3 -> bf16 by bit placement and one exact multiply ------------
 template <>
 struct ChunkIO<KvFormat::kFp8> {
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
-                                              const ChunkRef& c) {
+                                              const ChunkRef& c, int key0, int lane) {
     const uint8_t* base = static_cast<const uint8_t*>(cache) +
                           ((c.page * num_kv_heads + g) * kPageSize + c.half * kChunkKeys) * int64_t(2 * kHeadDim);
 #pragma unroll
-    for (int i = 0; i < 2 * kChunkKeys * 8 / kThreads; ++i) {  // 1024 units of 16 B
-      const int idx = i * kThreads + threadIdx.x;
-      const int kv = idx >> 9, key = (idx >> 3) & 63, unit = idx & 7;
+    for (int i = 0; i < 2 * kKeysPerWarp * 8 / 32; ++i) {  // 256 units of 16 B per warp
+      const int idx = i * 32 + lane;
+      const int kv = idx >> 7, key = key0 + ((idx >> 3) & 15), unit = idx & 7;
       const bool pred = key < c.visible;
       const uint8_t* src = pred ? base + key * (2 * kHeadDim) + kv * kHeadDim + unit * 16 : base;
       cp_async_16(stage + kv * (kChunkKeys * kHeadDim) + key * kHeadDim + unit * 16, src, pred);
     }
   }
 
-  static __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t two) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    return pack_bf16x2(f.x, f.y);
+  // Bytes b0..b3 of w -> bf16x2 (b0, b1) for hi=false, (b2, b3) for hi=true. An e4m3 byte s.eeee.mmm placed
+  // as bf16 bits s.0000eeee.mmm0000 is the value times 2^-120 (normal and subnormal codes alike); one
+  // bf16x2 multiply by 2^120 (exact, subnormals supported) restores it. NaN codes are not preserved.
+  static __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t w, bool hi) {
+    const uint32_t x = __byte_perm(w, 0u, hi ? 0x3424u : 0x1404u);  // b_odd << 24 | b_even << 8
+    const uint32_t bits = (x & 0x80008000u) | ((x >> 4) & 0x07f007f0u);
+    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits),
+                                     __nv_bfloat162(__ushort_as_bfloat16(0x7b80), __ushort_as_bfloat16(0x7b80)));
+    return *reinterpret_cast<const uint32_t*>(&v);
   }
 
-  static __device__ __forceinline__ void dequant(const uint8_t* stage, uint8_t* tile, const ChunkRef&) {
+  static __device__ __forceinline__ void dequant(const uint8_t* stage, uint8_t* tile, const ChunkRef&, int key0,
+                                                 int lane) {
 #pragma unroll
-    for (int i = 0; i < 2 * kChunkKeys * 8 / kThreads; ++i) {
-      const int idx = i * kThreads + threadIdx.x;
-      const int kv = idx >> 9, key = (idx >> 3) & 63, unit = idx & 7;
+    for (int i = 0; i < 2 * kKeysPerWarp * 8 / 32; ++i) {
+      const int idx = i * 32 + lane;
+      const int kv = idx >> 7, key = key0 + ((idx >> 3) & 15), unit = idx & 7;
       const uint4 raw = *reinterpret_cast<const uint4*>(stage + kv * (kChunkKeys * kHeadDim) + key * kHeadDim + unit * 16);
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
       uint32_t o[8];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        o[2 * j] = e4m3x2_to_bf16x2(uint16_t(w[j] & 0xffffu));
-        o[2 * j + 1] = e4m3x2_to_bf16x2(uint16_t(w[j] >> 16));
+        o[2 * j] = e4m3x2_to_bf16x2(w[j], false);
+        o[2 * j + 1] = e4m3x2_to_bf16x2(w[j], true);
       }
       uint8_t* dst = tile + kv * kBf16TileBytes;
       *reinterpret_cast<uint4*>(dst + swizzled_offset(key, 2 * unit)) = make_uint4(o[0], o[1], o[2], o[3]);
@@ -101,41 +106,54 @@ struct ChunkIO<KvFormat::kFp8> {
   }
 };
 
-// ---- NVFP4: data and scale bytes of the chunk's tokens (both contiguous in the slot), then
-//      e2m1 x e4m3 -> bf16 (exact) ------------------------------------------------------------------------
+// ---- NVFP4: data and scale bytes of the warp's 16 tokens (both contiguous in the slot), then each data
+//      byte -> bf16x2 through a 256-entry table (two e2m1 values) and one exact bf16x2 multiply by the
+//      block scale (e2m1 x e4m3 is exact in bf16) ---------------------------------------------------------
 template <>
 struct ChunkIO<KvFormat::kNvfp4> {
   using T = FormatTraits<KvFormat::kNvfp4>;
   static constexpr int kHalfBytes = T::kDataBytes + T::kScaleBytes;  // K (or V) part of a stage
+  static constexpr int kWarpScaleBytes = kKeysPerWarp * kHeadDim / 16;  // 128: contiguous for K and for V
 
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
-                                              const ChunkRef& c) {
+                                              const ChunkRef& c, int key0, int lane) {
     const Nvfp4Slot slot{kHeadDim};
-    constexpr int kUnits = 2 * kHalfBytes / 16;  // 576
-    for (int idx = threadIdx.x; idx < kUnits; idx += kThreads) {
-      const int kv = idx / (kHalfBytes / 16);
-      const int u = idx % (kHalfBytes / 16);
+    constexpr int kDataUnits = kKeysPerWarp * kHeadDim / 2 / 16;  // 64
+    constexpr int kUnits = kDataUnits + kWarpScaleBytes / 16;      // 72 per K or V
+    for (int idx = lane; idx < 2 * kUnits; idx += 32) {
+      const int kv = idx / kUnits, u = idx % kUnits;
       const uint8_t* slot_base = static_cast<const uint8_t*>(cache) +
                                  (c.page * 2 * num_kv_heads + 2 * g + kv) * slot.slot_bytes();
+      uint8_t* dst = stage + kv * kHalfBytes;
       const uint8_t* src;
       bool pred;
-      if (u < T::kDataBytes / 16) {  // data: 4 units per token
-        const int key = u >> 2;
+      if (u < kDataUnits) {  // data: 4 units per token
+        const int key = key0 + (u >> 2);
         pred = key < c.visible;
         src = slot_base + int64_t(c.half * kChunkKeys + key) * (kHeadDim / 2) + (u & 3) * 16;
-      } else {  // scales: K linear from t*8, V quads from (t/4)*32; both start at 512 * half
+        dst += key * (kHeadDim / 2) + (u & 3) * 16;
+      } else {  // scales: K linear (t*8 + c) and V quads ((t/4)*32 + 4c + t%4) both cover [8*key0, +128)
         pred = true;
-        src = slot_base + slot.data_bytes() + c.half * T::kScaleBytes + (u - T::kDataBytes / 16) * 16;
+        const int off = key0 * (kHeadDim / 16) + (u - kDataUnits) * 16;
+        src = slot_base + slot.data_bytes() + c.half * T::kScaleBytes + off;
+        dst += T::kDataBytes + off;
       }
-      cp_async_16(stage + kv * kHalfBytes + u * 16, pred ? src : slot_base, pred);
+      cp_async_16(dst, pred ? src : slot_base, pred);
     }
   }
 
-  static __device__ __forceinline__ void dequant(const uint8_t* stage, uint8_t* tile, const ChunkRef& c) {
+  // table[byte] = bf16x2(e2m1(byte & 15), e2m1(byte >> 4)); built once per CTA
+  static __device__ __forceinline__ void build_table(uint32_t* table) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x)
+      table[i] = pack_bf16x2(e2m1_to_float(uint8_t(i & 15)), e2m1_to_float(uint8_t(i >> 4)));
+  }
+
+  static __device__ __forceinline__ void dequant(const uint8_t* stage, uint8_t* tile, const ChunkRef& c, int key0,
+                                                 int lane, const uint32_t* table) {
 #pragma unroll
-    for (int i = 0; i < 2 * kChunkKeys * 4 / kThreads; ++i) {  // 512 units of 16 data bytes = 32 values
-      const int idx = i * kThreads + threadIdx.x;
-      const int kv = idx >> 8, key = (idx >> 2) & 63, unit = idx & 3;
+    for (int i = 0; i < 2 * kKeysPerWarp * 4 / 32; ++i) {  // 128 units of 16 data bytes = 32 values
+      const int idx = i * 32 + lane;
+      const int kv = idx >> 6, key = key0 + ((idx >> 2) & 15), unit = idx & 3;
       const uint8_t* half = stage + kv * kHalfBytes;
       const uint4 raw = *reinterpret_cast<const uint4*>(half + key * (kHeadDim / 2) + unit * 16);
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -146,13 +164,15 @@ struct ChunkIO<KvFormat::kNvfp4> {
         const int group = 2 * unit + grp;  // 16-value group 0..7
         const int scale_off = kv == 0 ? key * 8 + group : (key >> 2) * 32 + 4 * group + (key & 3);
         const float sf = live ? e4m3_to_float(half[T::kDataBytes + scale_off]) : 0.0f;
+        const __nv_bfloat162 sf2 = __floats2bfloat162_rn(sf, sf);  // exact: e4m3 fits bf16
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const uint32_t word = w[2 * grp + j];
 #pragma unroll
           for (int b = 0; b < 4; ++b) {
-            const uint8_t byte = uint8_t(word >> (8 * b));
-            o[grp * 8 + j * 4 + b] = pack_bf16x2(e2m1_to_float(byte & 0xf) * sf, e2m1_to_float(byte >> 4) * sf);
+            const uint32_t pair = table[(word >> (8 * b)) & 0xffu];
+            const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair), sf2);
+            o[grp * 8 + j * 4 + b] = *reinterpret_cast<const uint32_t*>(&v);
           }
         }
       }

@@ -2,17 +2,13 @@
 // num_splits > 1).
 #include <cuda_bf16.h>
 
+#include "sm90/common/bf16_pack.cuh"
 #include "sm90/decode/config.h"
 #include "sm90/decode/decode.h"
 
 namespace jax_msa::sm90::decode {
 
 namespace {
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // Merges the num_splits partials of every (token, query head) row by log-sum-exp. One warp a row,
 // 4 dims a lane.

@@ -5,7 +5,8 @@
 //   pipeline  : chunks of 64 keys (half a block) of K and V, cp.async (zero-fill past the visible keys),
 //               kStages deep; FP8 / NVFP4 chunks are dequantized to bf16 in shared memory before the MMAs
 //   warps     : 4; warp w owns keys [16w, 16w + 16) of every chunk and keeps its own online softmax
-//               (m, l, O); the 4 warps merge through shared memory at the end
+//               (m, l, O); a warp also loads and dequantizes only its own rows, so the main loop has no
+//               CTA-wide barrier; the 4 warps merge through shared memory at the end
 //   output    : one split -> bf16 out and lse directly; several -> fp32 partials + combine kernel
 #pragma once
 #include <cstdint>

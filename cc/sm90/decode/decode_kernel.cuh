@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
   __shared__ ChunkRef s_chunks[kMaxChunks];
   __shared__ int s_num_chunks;
   __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
+  __shared__ uint32_t s_table[F == KvFormat::kNvfp4 ? 256 : 1];  // NVFP4: byte -> two bf16 values
 
   const int split = blockIdx.x, g = blockIdx.y, t = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -84,6 +85,7 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
     }
     if (lane == 0) s_num_chunks = __popc(mine_mask) + __popc(second_mask);
   }
+  if constexpr (F == KvFormat::kNvfp4) ChunkIO<F>::build_table(s_table);
   __syncthreads();
   const int n_chunks = s_num_chunks;
 
@@ -114,31 +116,36 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
   uint8_t* stages = smem + Plan::kStagesOffset;
   uint8_t* scratch = smem + Plan::kScratchOffset;
   auto stage_ptr = [&](int c) { return stages + (c % Traits::kStages) * Traits::kStageBytes; };
+  const int key0 = warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads, converts and reads
+                                         // only those rows, so the loop synchronizes with __syncwarp alone
 
-  // ---- 4. pipeline over the chunks
+  // ---- 4. per-warp pipeline over the chunks
 #pragma unroll
   for (int c = 0; c < Traits::kStages - 1; ++c) {
-    if (c < n_chunks) ChunkIO<F>::load(stage_ptr(c), p.kv_cache, p.num_kv_heads, g, s_chunks[c]);
+    if (c < n_chunks) ChunkIO<F>::load(stage_ptr(c), p.kv_cache, p.num_kv_heads, g, s_chunks[c], key0, lane);
     cute::cp_async_fence();
   }
   for (int c = 0; c < n_chunks; ++c) {
     cute::cp_async_wait<Traits::kStages - 2>();
-    __syncthreads();  // chunk c has landed for every thread; chunk c-1's stage (and scratch) is free
+    __syncwarp();  // the warp's rows of chunk c have landed; its rows of chunk c-1 (stage, scratch) are free
     const int next = c + Traits::kStages - 1;
-    if (next < n_chunks) ChunkIO<F>::load(stage_ptr(next), p.kv_cache, p.num_kv_heads, g, s_chunks[next]);
+    if (next < n_chunks) ChunkIO<F>::load(stage_ptr(next), p.kv_cache, p.num_kv_heads, g, s_chunks[next], key0, lane);
     cute::cp_async_fence();
     const ChunkRef ref = s_chunks[c];
     const uint8_t* tile;  // swizzled bf16 K | V of this chunk
-    if constexpr (Traits::kNeedsDequant) {
-      ChunkIO<F>::dequant(stage_ptr(c), scratch, ref);
-      __syncthreads();
+    if constexpr (F == KvFormat::kNvfp4) {
+      ChunkIO<F>::dequant(stage_ptr(c), scratch, ref, key0, lane, s_table);
+      __syncwarp();
+      tile = scratch;
+    } else if constexpr (F == KvFormat::kFp8) {
+      ChunkIO<F>::dequant(stage_ptr(c), scratch, ref, key0, lane);
+      __syncwarp();
       tile = scratch;
     } else {
       tile = stage_ptr(c);
     }
     const uint8_t* k_tile = tile;
     const uint8_t* v_tile = tile + kBf16TileBytes;
-    const int key0 = warp * kKeysPerWarp;  // this warp's 16 keys of the chunk
 
     // S = Q K^T over the warp's 16 keys: 2 n-tiles x 8 k-steps
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};

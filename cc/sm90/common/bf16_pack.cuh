@@ -1,0 +1,14 @@
+// Two fp32 values -> one bf16x2 register (round to nearest even), low half first.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace jax_msa::sm90 {
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+}  // namespace jax_msa::sm90

@@ -1,0 +1,84 @@
+"""Kernel-only decode timings with Nsight Compute (run on the GPU machine).
+
+For each case, runs bench_decode.py for that case under `ncu` (clocks left alone, caches flushed before
+every kernel, the default) and sums the durations of the decode kernel and its split combine per call.
+Reports the median over the profiled calls and the KV bandwidth (bytes of the selected K/V and scales read /
+kernel time) as a fraction of 4.3 TB/s.
+
+    python examples/bench/ncu_decode.py                       # the M3 cases of docs/BENCHMARKS.md
+    python examples/bench/ncu_decode.py --case 64/4,32,32768,1,BF16
+"""
+
+import argparse
+import csv
+import glob
+import io
+import os
+import statistics
+import subprocess
+import sys
+
+HBM = 4.3e12
+DEFAULT_CASES = [f"{h},{b},{c},{q},{f}" for h in ("64/4", "16/1") for b in (1, 32, 256) for c in (32768,)
+                 for q in (1, 4) for f in ("BF16", "FP8", "NVFP4")]
+
+
+def ncu_binary():
+    found = sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))
+    return found[-1] if found else "ncu"
+
+
+def selected_bytes(heads, batch, q_len, fmt):
+    hkv = int(heads.split("/")[1])
+    per_block = {"BF16": 128 * 2 * 128 * 2, "FP8": 128 * 2 * 128, "NVFP4": 128 * 2 * (64 + 8)}[fmt]
+    return batch * q_len * hkv * 16 * per_block
+
+
+def profile(case, calls):
+    heads, batch, context, q_len, fmt = case.split(",")
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_decode.py")
+    cmd = [ncu_binary(), "--csv", "--clock-control", "none", "-k", "regex:sparse_decode_kernel|combine_splits",
+           "-c", str(2 * calls + 8), "--metrics", "gpu__time_duration.sum", sys.executable, bench,
+           "--heads", heads, "--batch", batch, "--context", context, "--q-len", q_len, "--fmt", fmt,
+           "--repeats", "1", "--no-dense"]
+    text = subprocess.run(cmd, capture_output=True, text=True).stdout
+    rows = [r for r in csv.DictReader(io.StringIO(text[text.find('"ID"'):])) if r.get("Metric Name")]
+    per_call, current = [], None
+    for r in rows:
+        ns = float(r["Metric Value"].replace(",", "")) * (1e3 if r["Metric Unit"] == "us" else 1.0)
+        if "sparse_decode_kernel" in r["Kernel Name"]:
+            if current is not None:
+                per_call.append(current)
+            current = ns
+        elif current is not None:
+            current += ns
+    if current is not None:
+        per_call.append(current)
+    if not per_call:
+        return None
+    us = statistics.median(per_call) / 1e3
+    nbytes = selected_bytes(heads, int(batch), int(q_len), fmt)
+    return us, min(per_call) / 1e3, max(per_call) / 1e3, nbytes, len(per_call)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", action="append", help="heads,batch,context,q_len,format")
+    ap.add_argument("--calls", type=int, default=8)
+    args = ap.parse_args()
+    print("| heads | B | context | q_len | format | kernel us (median) | min-max | calls | MB | TB/s | of 4.3 TB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for case in args.case or DEFAULT_CASES:
+        r = profile(case, args.calls)
+        heads, batch, context, q_len, fmt = case.split(",")
+        if r is None:
+            print(f"| {heads} | {batch} | {int(context) // 1024}k | {q_len} | {fmt} | (no kernels profiled) |")
+            continue
+        us, lo, hi, nbytes, n = r
+        tbps = nbytes / (us * 1e-6) / 1e12
+        print(f"| {heads} | {batch} | {int(context) // 1024}k | {q_len} | {fmt} | {us:.1f} | {lo:.1f}-{hi:.1f} | {n} | "
+              f"{nbytes / 1e6:.2f} | {tbps:.2f} | {100 * tbps * 1e12 / HBM:.0f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
