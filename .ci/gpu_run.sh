@@ -2,7 +2,7 @@
 # The one script run on the GPU machine (an H200: python3 3.12 with jax 0.11.2 + CUDA plugin, nanobind,
 # scikit-build-core, cmake, ninja, pytest; no network).
 #
-#   bash .ci/gpu_run.sh [stage ...]        stages: build info test sanitize bench  (default: build info test bench)
+#   bash .ci/gpu_run.sh [stage ...]        stages: build info test sanitize bench profile  (default: build info test bench)
 #
 #   build     dist/*.whl present: install that wheel into /tmp/site; otherwise build in-tree with
 #             .ci/build_inplace.sh (JAX_MSA_CUDA=ON, JOBS=16). CUTLASS headers come from the nvidia-cutlass wheel
@@ -11,6 +11,11 @@
 #   test      pytest -m gpu twice: XLA command buffers as configured (default: on), then with them disabled
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
+#   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
+#
+# Fastest path (no device time spent compiling): build here with
+#   JAX_MSA_CUDA=ON BUILD_DIR=build/cuda .ci/build_inplace.sh && mkdir -p prebuilt && cp build/cuda/_jax_msa_*.so prebuilt/
+# and carry prebuilt/ (git-ignored) with the device call; `build` then only copies the modules into jax_msa/.
 #
 # Which jax_msa is used follows from the tree: a wheel in dist/ means the installed one in /tmp/site, otherwise the
 # in-tree package (PYTHONPATH=$PWD). With OUT set, each stage's log (and junit XML, benchmark output) goes there.
@@ -43,6 +48,16 @@ fi
 # ---- stages ----------------------------------------------------------------------------------------------
 
 stage_build() {
+  shopt -s nullglob
+  local prebuilt=(prebuilt/_jax_msa_*.so)
+  shopt -u nullglob
+  if [[ "${MODE}" == in-tree ]] && (( ${#prebuilt[@]} )); then
+    # Modules built on the development machine (nvcc 13.0, static cudart) and carried in prebuilt/: seen to run
+    # on the H200 image, and no device time is spent compiling.
+    echo "build: using prebuilt ${prebuilt[*]}"
+    cp -f "${prebuilt[@]}" jax_msa/
+    return 0
+  fi
   if [[ ! -d "${SITE}/cutlass_library" ]]; then
     (( ${#CUTLASS_WHEELS[@]} )) || { echo "build: no .whl/nvidia_cutlass-*.whl to take the CUTLASS headers from"; return 1; }
     "${PY}" -m pip install -q --no-index --no-deps --no-compile --target "${SITE}" "${CUTLASS_WHEELS[@]}"
@@ -143,14 +158,18 @@ stage_bench() {
   return "${rc}"
 }
 
+stage_profile() {
+  "${PY}" examples/bench/ncu_decode.py 2>&1 | tee "${LOG_DIR}/ncu_decode.txt"
+}
+
 # ---- driver ----------------------------------------------------------------------------------------------
 
 STAGES=("$@")
 (( ${#STAGES[@]} )) || STAGES=(build info test bench)
 for s in "${STAGES[@]}"; do
   case "${s}" in
-    build|info|test|sanitize|bench) ;;
-    *) echo "unknown stage '${s}' (stages: build info test sanitize bench)" >&2; exit 2 ;;
+    build|info|test|sanitize|bench|profile) ;;
+    *) echo "unknown stage '${s}' (stages: build info test sanitize bench profile)" >&2; exit 2 ;;
   esac
 done
 

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_msa import _batching
+
 TARGET_PREFILL = "jax_msa_prefill"
 TARGET_DECODE = "jax_msa_decode"
 TARGET_WRITE_KV = "jax_msa_write_kv"
@@ -141,27 +143,37 @@ def prefill_call(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table, plan,
 def decode_call(q, kv_cache, scales, topk, seq_lens, block_table, *, softmax_scale: float, kv_format: int,
                 decode_query_len: int, workspace: DecodeWorkspace):
     """The decode custom call. Returns (out, lse)."""
-    t, hq, d = q.shape
     s = workspace.num_splits
-    po = jax.ShapeDtypeStruct((s, t, hq, d) if s > 1 else (0,), jnp.float32)
-    pl = jax.ShapeDtypeStruct((s, t, hq) if s > 1 else (0,), jnp.float32)
-    call = jax.ffi.ffi_call(
-        TARGET_DECODE,
-        (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, hq), jnp.float32), po, pl),
-        vmap_method="sequential")
-    out, lse, _, _ = call(q, kv_cache, scales, topk.astype(jnp.int32), seq_lens.astype(jnp.int32),
-                          block_table.astype(jnp.int32), softmax_scale=np.float32(softmax_scale),
-                          kv_format=np.int32(kv_format), decode_query_len=np.int32(decode_query_len))
-    return out, lse
+
+    def one_call(q, kv_cache, scales, topk, seq_lens, block_table):
+        t, hq, d = q.shape
+        po = jax.ShapeDtypeStruct((s, t, hq, d) if s > 1 else (0,), jnp.float32)
+        pl = jax.ShapeDtypeStruct((s, t, hq) if s > 1 else (0,), jnp.float32)
+        call = jax.ffi.ffi_call(
+            TARGET_DECODE,
+            (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, hq), jnp.float32), po, pl),
+            vmap_method="sequential")
+        out, lse, _, _ = call(q, kv_cache, scales, topk, seq_lens, block_table,
+                              softmax_scale=np.float32(softmax_scale), kv_format=np.int32(kv_format),
+                              decode_query_len=np.int32(decode_query_len))
+        return out, lse
+
+    # jax.vmap folds a vmapped axis into the decode batch (one call) instead of looping; see _batching.
+    return _batching.fold_decode_batch(one_call, decode_query_len)(
+        q, kv_cache, scales, topk.astype(jnp.int32), seq_lens.astype(jnp.int32), block_table.astype(jnp.int32))
 
 
 def write_kv_call(kv_cache, k, v, slot_mapping, scales, *, kv_format: int):
     """The write_kv custom call; the cache is input 0 aliased to output 0 (in place under donation)."""
-    call = jax.ffi.ffi_call(
-        TARGET_WRITE_KV, jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
-        input_output_aliases={0: 0}, vmap_method="sequential")
-    return call(kv_cache, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), slot_mapping.astype(jnp.int32), scales,
-                kv_format=np.int32(kv_format))
+    def one_call(kv_cache, k, v, slot_mapping, scales):
+        call = jax.ffi.ffi_call(
+            TARGET_WRITE_KV, jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+            input_output_aliases={0: 0}, vmap_method="sequential")
+        return call(kv_cache, k, v, slot_mapping, scales, kv_format=np.int32(kv_format))
+
+    # jax.vmap folds a vmapped axis into the cache's page axis (one call) instead of looping; see _batching.
+    return _batching.fold_write_kv_batch(one_call)(
+        kv_cache, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), slot_mapping.astype(jnp.int32), scales)
 
 
 @functools.cache

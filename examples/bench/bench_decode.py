@@ -15,8 +15,6 @@ KV bandwidth = bytes of the selected K and V (with scales) per call / time, agai
 
 import argparse
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +22,7 @@ import numpy as np
 
 import jax_msa
 from jax_msa import KVFormat, kv_cache
+from timing import median_p10_p90
 
 HBM = 4.3e12
 D = 128
@@ -32,18 +31,6 @@ K = 16
 
 def block_bytes(fmt, hkv_one=1):
     return kv_cache.bytes_per_token(fmt, hkv_one, D) * 128
-
-
-def time_fn(fn, args, repeats):
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
-    samples.sort()
-    return statistics.median(samples), samples[len(samples) // 10], samples[-1 - len(samples) // 10]
 
 
 def make_inputs(rng, fmt, hq, hkv, batch, context, q_len, rotations, pool_pages):
@@ -87,7 +74,7 @@ def bench_case(fmt, hq, hkv, batch, context, q_len, repeats):
                                       impl="kernel", **scales) for topk in topks]
         return outs
 
-    med, p10, p90 = time_fn(run, (q, cache, topks, seq, bt), repeats)
+    med, p10, p90 = median_p10_p90(run, (q, cache, topks, seq, bt), repeats)
     us = med / rotations * 1e6
     return dict(us=us, p10=p10 / rotations * 1e6, p90=p90 / rotations * 1e6, bytes=per_call,
                 tbps=per_call / (us * 1e-6) / 1e12)
@@ -103,7 +90,7 @@ def bench_dense(hq, hkv, batch, context, repeats):
     v = jax.random.normal(key, (batch, context, hkv, D), jnp.bfloat16)
     f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
     try:
-        med, _, _ = time_fn(f, (q, k, v), repeats)
+        med, _, _ = median_p10_p90(f, (q, k, v), repeats)
     except Exception as e:  # cuDNN may refuse a shape; report it rather than fail the sweep
         print(f"  dense cuDNN failed for B={batch} ctx={context}: {type(e).__name__}: {e}"[:200])
         return None
