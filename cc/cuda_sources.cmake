@@ -9,4 +9,10 @@ set(JAX_MSA_CUDA_SOURCES
   cc/sm90/decode/decode_bf16.cu
   cc/sm90/decode/decode_fp8.cu
   cc/sm90/decode/decode_nvfp4.cu
+  cc/ffi/prefill_cuda_handler.cc
+  cc/sm90/prefill/prefill_dispatch.cu
+  cc/sm90/prefill/combine_partials.cu
+  cc/sm90/prefill/prefill_bf16.cu
+  cc/sm90/prefill/prefill_fp8.cu
+  cc/sm90/prefill/prefill_nvfp4.cu
 )

@@ -29,9 +29,10 @@ def _cuda_decode_supported(cfg, q_len: int) -> bool:
             and 1 <= cfg.topk <= 32 and cfg.batch * q_len <= 65535)
 
 
-def _cuda_prefill_supported(cfg) -> bool:
-    return (_ffi.TARGET_PREFILL in _ffi.cuda_targets() and cfg.head_dim == 128
-            and cfg.group_size in (8, 16) and cfg.topk <= 32)
+def _cuda_prefill_supported(cfg, plan) -> bool:
+    # cc/sm90/prefill: D = 128, a plan tile of at most 128 MMA rows (queries_per_tile * G <= 128).
+    return (_ffi.TARGET_PREFILL in _ffi.cuda_targets() and cfg.head_dim == 128 and cfg.group_size <= 128
+            and plan.queries_per_tile * cfg.group_size <= 128)
 
 
 def _cuda_write_kv_supported(head_dim: int) -> bool:
@@ -114,7 +115,7 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
                                  kv_format=int(cfg.kv_format))
 
     kernels = {"cpu": kernel}
-    if _cuda_prefill_supported(cfg):
+    if _cuda_prefill_supported(cfg, plan):
         kernels["cuda"] = kernel
     out, lse = _dispatch("sparse_attention", impl, kernels, ref, q, kv_cache, topk, cu_seqlens_q, seq_lens,
                          block_table, scales, plan)

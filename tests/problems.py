@@ -198,28 +198,29 @@ def _brute_force(q, k, v, topk, token_rows, seq_lens, block_table, scale, with_a
         block_count = -(-seq_len // PAGE)
         for g in range(hkv):
             blocks = {int(x) for x in topk[g, t] if 0 <= int(x) < block_count}  # a set: duplicates once
-            keys = set()
-            for blk in blocks:
+            kpos = []
+            for blk in sorted(blocks):
                 if blk >= block_table.shape[1]:
                     continue  # no block-table entry: nothing to read
                 page = int(block_table[b, blk])
                 if not 0 <= page < num_pages:
                     continue  # an invalid page id makes the block a hole
-                keys |= {PAGE * blk + j for j in range(PAGE) if PAGE * blk + j <= pos}
-            if not keys:
+                keys = PAGE * blk + np.arange(PAGE)
+                kpos.append(keys[keys <= pos])  # causal: key position <= query position
+            kpos = np.concatenate(kpos) if kpos else np.zeros(0, np.int64)
+            if kpos.size == 0:
                 continue  # out = 0, lse = -inf
-            kpos = np.array(sorted(keys))
             pages = block_table[b, kpos // PAGE].astype(np.int64)
             kk = k[pages, g, kpos % PAGE]  # [n, D]
             vv = v[pages, g, kpos % PAGE]
-            for h in range(g * group, (g + 1) * group):
-                logits = scale * (kk @ q[t, h])
-                m = logits.max()
-                e = np.exp(logits - m)
-                s = e.sum()
-                out[t, h] = (e @ vv) / s
-                abs_weighted[t, h] = (e @ np.abs(vv)) / s
-                lse[t, h] = m + np.log(s)
+            heads = slice(g * group, (g + 1) * group)
+            logits = scale * (q[t, heads] @ kk.T)  # [G, n]
+            m = logits.max(axis=1, keepdims=True)
+            e = np.exp(logits - m)
+            s = e.sum(axis=1, keepdims=True)
+            out[t, heads] = (e @ vv) / s
+            abs_weighted[t, heads] = (e @ np.abs(vv)) / s
+            lse[t, heads] = m[:, 0] + np.log(s[:, 0])
     return (out, lse, abs_weighted) if with_abs_weighted else (out, lse)
 
 

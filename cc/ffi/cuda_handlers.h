@@ -3,3 +3,4 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMsaDecodeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMsaPrefillCuda);

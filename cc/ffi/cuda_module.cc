@@ -71,6 +71,7 @@ NB_MODULE(_jax_msa_cuda, m) {
     nanobind::dict d;
     d["jax_msa_write_kv"] = jax_msa::ffi_bind::capsule(JaxMsaWriteKvCuda);
     d["jax_msa_decode"] = jax_msa::ffi_bind::capsule(JaxMsaDecodeCuda);
+    d["jax_msa_prefill"] = jax_msa::ffi_bind::capsule(JaxMsaPrefillCuda);
     return d;
   });
   m.def("compiled_archs", &compiled_archs, "CUDA architectures compiled into this module, e.g. ['90a'].");

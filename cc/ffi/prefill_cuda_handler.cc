@@ -1,0 +1,48 @@
+// XLA FFI handler of jax_msa_prefill for platform CUDA: binds the buffers (plan included) into PrefillParams
+// and launches the SM90 prefill and combine kernels on XLA's stream. No host sync, no allocation (the partials
+// arrive as extra results), so it is safe inside XLA command buffers.
+#include <cuda_runtime.h>
+
+#include <string>
+#include <utility>
+
+#include "ffi/bindings.h"
+#include "ffi/cuda_handlers.h"
+#include "ffi/debug_poison.h"
+#include "sm90/prefill/prefill.h"
+
+namespace ffi = xla::ffi;
+namespace fb = jax_msa::ffi_bind;
+
+namespace {
+
+ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer scales,
+                             fb::I32Buffer cu_seqlens_q, fb::I32Buffer seq_lens, fb::I32Buffer block_table,
+                             fb::I32Buffer row_ptr, fb::I32Buffer edge_query, fb::I32Buffer edge_rank,
+                             fb::I32Buffer query_edge_count, fb::I32Buffer work, fb::I32Buffer num_work,
+                             ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> lse,
+                             ffi::ResultBuffer<ffi::F32> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
+                             float softmax_scale, int32_t kv_format) {
+  jax_msa::PrefillParams p;
+  if (auto e = fb::make_prefill_params(p, q, cache, scales, cu_seqlens_q, seq_lens, block_table, row_ptr, edge_query,
+                                       edge_rank, query_edge_count, work, num_work, out, lse, partial_o,
+                                       partial_lse, softmax_scale, kv_format);
+      e.failure())
+    return e;
+  const char* why = nullptr;
+  if (!jax_msa::sm90::prefill::sm90_prefill_supports(p, &why))
+    return fb::invalid(std::string("the CUDA prefill kernel does not serve this call: ") + why);
+  for (auto [ptr, bytes] : {std::pair<void*, size_t>{p.out, out->size_bytes()}, {p.lse, lse->size_bytes()},
+                            {p.partial_o, partial_o->size_bytes()}, {p.partial_lse, partial_lse->size_bytes()}})
+    if (cudaError_t e = fb::poison(ptr, bytes, stream); e != cudaSuccess)
+      return ffi::Error::Internal(std::string("jax_msa prefill poison failed: ") + cudaGetErrorString(e));
+  if (cudaError_t e = jax_msa::sm90::prefill::sm90_sparse_prefill(p, stream); e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_msa prefill launch failed: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMsaPrefillCuda, prefill_cuda_impl,
+                              fb::prefill_signature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});

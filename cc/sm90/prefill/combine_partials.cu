@@ -1,0 +1,56 @@
+// SM90 prefill: log-sum-exp merge of each query's per-block partials (the plan's query_edge_count of them)
+// into the bf16 output and the lse. One warp a (token, query head) row, 4 dims a lane. Empty rows: 0, -inf.
+#include <cuda_runtime.h>
+
+#include "common/plan_view.h"
+#include "sm90/common/bf16_pack.cuh"
+#include "sm90/prefill/config.h"
+#include "sm90/prefill/prefill.h"
+
+namespace jax_msa::sm90::prefill {
+
+namespace {
+
+__global__ void __launch_bounds__(128) combine_partials_kernel(const PrefillParams p) {
+  const PlanView plan = PlanView::from(p);
+  const int64_t rows = int64_t(p.total_q) * p.num_q_heads;
+  const int64_t row = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const int t = int(row / p.num_q_heads), h = int(row % p.num_q_heads);
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int g = h / group, hl = h % group;
+  const int count = min(max(plan.partial_count(g, t), 0), p.topk);
+  const int64_t first = plan.partial_index(t, g, 0, p.num_kv_heads) * group + hl;  // rank r at first + r * group
+  float m = -INFINITY;
+  for (int r = 0; r < count; ++r) m = fmaxf(m, p.partial_lse[first + int64_t(r) * group]);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float total = 0.0f;
+  if (m != -INFINITY) {
+    for (int r = 0; r < count; ++r) {
+      const int64_t slot = first + int64_t(r) * group;
+      const float w = expf(p.partial_lse[slot] - m);
+      const float4 o = reinterpret_cast<const float4*>(p.partial_o + slot * kHeadDim)[lane];
+      acc.x += w * o.x;
+      acc.y += w * o.y;
+      acc.z += w * o.z;
+      acc.w += w * o.w;
+      total += w;
+    }
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  reinterpret_cast<uint2*>(p.out + row * kHeadDim)[lane] =
+      make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
+  if (lane == 0) p.lse[row] = total > 0.0f ? m + logf(total) : -INFINITY;
+}
+
+}  // namespace
+
+cudaError_t launch_combine_partials(const PrefillParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.total_q) * p.num_q_heads;
+  if (rows == 0) return cudaSuccess;
+  combine_partials_kernel<<<unsigned((rows + 3) / 4), 128, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_msa::sm90::prefill

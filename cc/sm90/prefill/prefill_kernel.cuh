@@ -1,0 +1,230 @@
+// SM90 sparse prefill kernel: one plan work item a CTA (see config.h). Writes one normalized partial and its
+// lse per (query, selected block); combine_partials.cu merges them. Reads the plan only through PlanView.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+
+#include "common/params.h"
+#include "common/plan_view.h"
+#include "sm90/common/bf16_pack.cuh"
+#include "sm90/decode/chunk_io.cuh"
+#include "sm90/prefill/config.h"
+
+namespace jax_msa::sm90::prefill {
+
+using decode::ChunkIO;
+using decode::ChunkRef;
+using decode::swizzled_offset;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ void ldsm_x4(const uint8_t* p, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(p), r0, r1, r2, r3);
+}
+__device__ __forceinline__ void ldsm_x4_t(const uint8_t* p, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(p), r0, r1, r2, r3);
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1], d[2],
+                                            d[3]);
+}
+
+// Query elements (row, d..d+1) of token t, head `head` as bf16x2 (FP8 q: the raw e4m3 values, exact in bf16;
+// q_scale is folded into the softmax scale). Invalid rows are zero.
+__device__ __forceinline__ uint32_t load_q_pair(const PrefillParams& p, bool valid, int t, int head, int d) {
+  if (!valid) return 0u;
+  const int64_t off = (int64_t(t) * p.num_q_heads + head) * kHeadDim + d;
+  if (p.q_is_fp8) {
+    const uint8_t* q = static_cast<const uint8_t*>(p.q) + off;
+    return pack_bf16x2(e4m3_to_float(q[0]), e4m3_to_float(q[1]));
+  }
+  return *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + off);
+}
+
+template <KvFormat F>
+__global__ void __launch_bounds__(kThreads, 1) sparse_prefill_kernel(const PrefillParams p) {
+  using Plan = SharedPlan<F>;
+  using Traits = FormatTraits<F>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int s_query[kMaxTileQueries], s_rank[kMaxTileQueries], s_visible[kMaxTileQueries];
+  __shared__ uint32_t s_table[F == KvFormat::kNvfp4 ? 256 : 1];
+
+  const PlanView plan = PlanView::from(p);
+  if (int(blockIdx.x) >= plan.work_count()) return;  // static-capacity grid: the count is read on device
+  const WorkItem item = plan.item(blockIdx.x);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int g = item.head, b = item.request;
+  const int count = min(item.edge_count, kTileRows / group);
+  const int seq_len = p.seq_lens[b];
+  const int block_key0 = item.block * kPageSize;
+  const int n_keys = max(0, min(kPageSize, seq_len - block_key0));
+  const int64_t page = p.block_table[int64_t(b) * p.max_blocks + item.block];
+  const bool page_ok = page >= 0 && page < p.num_pages;
+
+  // ---- 1. the tile's queries: token, partial slot, visible keys of this block (causal)
+  if (threadIdx.x < count) {
+    const int e = item.edge_begin + threadIdx.x;
+    const int t = plan.query(g, e);
+    s_query[threadIdx.x] = t;
+    s_rank[threadIdx.x] = plan.rank(g, e);
+    const int pos = query_position(p.cu_seqlens_q, p.seq_lens, b, t);
+    s_visible[threadIdx.x] = page_ok ? max(0, min(n_keys, pos - block_key0 + 1)) : 0;
+  }
+  if constexpr (F == KvFormat::kNvfp4) ChunkIO<F>::build_table(s_table);
+  __syncthreads();
+  int tile_visible = 0;  // keys any query of the tile sees: the loads stop there (zero-filled beyond)
+  for (int i = 0; i < count; ++i) tile_visible = max(tile_visible, s_visible[i]);
+
+  // ---- 2. load the block once (warp w: half w / 4, keys 16 (w % 4) ..), dequantize, share
+  const int half = warp >> 2, key0 = (warp & 3) * kKeysPerWarp;
+  const int half_visible = max(0, min(kChunkKeys, tile_visible - half * kChunkKeys));
+  uint8_t* raw_half = smem + half * Plan::kRawHalfBytes;
+  uint8_t* tile_half = smem + Plan::kTileOffset + half * Plan::kTileHalfBytes;
+  const ChunkRef ref{page_ok ? page : 0, half, half_visible};
+  if (half_visible > 0) ChunkIO<F>::load(raw_half, p.kv_cache, p.num_kv_heads, g, ref, key0, lane);
+  cute::cp_async_fence();
+  cute::cp_async_wait<0>();
+  __syncwarp();
+  if constexpr (F == KvFormat::kNvfp4) {
+    if (half_visible > 0) ChunkIO<F>::dequant(raw_half, tile_half, ref, key0, lane, s_table);
+  } else if constexpr (F == KvFormat::kFp8) {
+    if (half_visible > 0) ChunkIO<F>::dequant(raw_half, tile_half, ref, key0, lane);
+  }
+  __syncthreads();  // every warp reads every key of the block from here on
+
+  // ---- 3. per warp: rows R = 16 warp + {lane / 4, lane / 4 + 8}, R = query * G + head
+  const int row0 = warp * kRowsPerWarp + (lane >> 2), row1 = row0 + 8;
+  const int qi0 = row0 / group, qi1 = row1 / group;
+  const bool ok0 = qi0 < count, ok1 = qi1 < count;
+  if (!__any_sync(0xffffffffu, ok0 || ok1)) return;  // a warp past the tile's rows has nothing to do
+  const int t0 = ok0 ? s_query[qi0] : 0, t1 = ok1 ? s_query[qi1] : 0;
+  const int h0 = g * group + row0 % group, h1 = g * group + row1 % group;
+  const int vis0 = ok0 ? s_visible[qi0] : 0, vis1 = ok1 ? s_visible[qi1] : 0;
+  const int c2 = (lane & 3) * 2;
+
+  const bool quantized = F != KvFormat::kBf16;
+  const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
+  const float k_scale = quantized ? p.scales[kKScale] : 1.0f;
+  const float v_scale = quantized ? p.scales[kVScale] : 1.0f;
+  const float scale_log2 = p.softmax_scale * q_scale * k_scale * kLog2e;
+
+  uint32_t qf[8][4];
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    qf[ks][0] = load_q_pair(p, ok0, t0, h0, ks * 16 + c2);
+    qf[ks][1] = load_q_pair(p, ok1, t1, h1, ks * 16 + c2);
+    qf[ks][2] = load_q_pair(p, ok0, t0, h0, ks * 16 + 8 + c2);
+    qf[ks][3] = load_q_pair(p, ok1, t1, h1, ks * 16 + 8 + c2);
+  }
+  float acc[16][4];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  const int vis[2] = {vis0, vis1};
+
+  const int n_halves = tile_visible > kChunkKeys ? 2 : (tile_visible > 0 ? 1 : 0);
+  for (int hf = 0; hf < n_halves; ++hf) {
+    const uint8_t* k_tile = smem + Plan::kTileOffset + hf * Plan::kTileHalfBytes;
+    const uint8_t* v_tile = k_tile + kBf16TileBytes;
+    // S = Q K^T over the half's 64 keys: 8 n-tiles, two per ldmatrix.x4
+    float s[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        const int key = np * 16 + ((lane >> 4) << 3) + (lane & 7);
+        uint32_t b00, b01, b10, b11;
+        ldsm_x4(k_tile + swizzled_offset(key, 2 * ks + ((lane >> 3) & 1)), b00, b01, b10, b11);
+        mma_bf16(s[2 * np], qf[ks], b00, b01);
+        mma_bf16(s[2 * np + 1], qf[ks], b10, b11);
+      }
+    }
+    // causal mask (key of the block <= the row's position) and online softmax, log2 units
+    float m_new[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = hf * kChunkKeys + nt * 8 + c2 + (e & 1);
+        const float x = key < vis[e >> 1] ? s[nt][e] * scale_log2 : -INFINITY;
+        s[nt][e] = x;
+        m_new[e >> 1] = fmaxf(m_new[e >> 1], x);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
+      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
+      alpha[r] = m_new[r] == -INFINITY ? 1.0f : exp2f(m_run[r] - m_new[r]);
+      m_run[r] = m_new[r];
+    }
+    float row_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float base = m_run[e >> 1] == -INFINITY ? 0.0f : m_run[e >> 1];
+        const float pr = exp2f(s[nt][e] - base);
+        s[nt][e] = pr;
+        row_sum[e >> 1] += pr;
+      }
+    }
+    l_run[0] = l_run[0] * alpha[0] + row_sum[0];
+    l_run[1] = l_run[1] * alpha[1] + row_sum[1];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      acc[i][0] *= alpha[0];
+      acc[i][1] *= alpha[0];
+      acc[i][2] *= alpha[1];
+      acc[i][3] *= alpha[1];
+    }
+    // O += P V over the half: 4 k-steps of 16 keys x 16 n-tiles of 8 dims
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      const uint32_t pa[4] = {pack_bf16x2(s[2 * np][0], s[2 * np][1]), pack_bf16x2(s[2 * np][2], s[2 * np][3]),
+                              pack_bf16x2(s[2 * np + 1][0], s[2 * np + 1][1]),
+                              pack_bf16x2(s[2 * np + 1][2], s[2 * np + 1][3])};
+      const int key = np * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+#pragma unroll
+      for (int dn = 0; dn < 16; dn += 2) {
+        uint32_t b00, b01, b10, b11;
+        ldsm_x4_t(v_tile + swizzled_offset(key, dn + (lane >> 4)), b00, b01, b10, b11);
+        mma_bf16(acc[dn], pa, b00, b01);
+        mma_bf16(acc[dn + 1], pa, b10, b11);
+      }
+    }
+  }
+
+  // ---- 4. normalized partials at the plan's slots
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  const int num_kv = p.num_kv_heads;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const bool ok = r == 0 ? ok0 : ok1;
+    if (!ok) continue;
+    const int qi = r == 0 ? qi0 : qi1;
+    const int head_in_group = (r == 0 ? row0 : row1) % group;
+    const int64_t slot = plan.partial_index(s_query[qi], g, s_rank[qi], num_kv) * group + head_in_group;
+    const bool empty = !(l_run[r] > 0.0f);
+    const float inv = empty ? 0.0f : v_scale / l_run[r];
+    float* dst = p.partial_o + slot * kHeadDim + c2;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      *reinterpret_cast<float2*>(dst + i * 8) = make_float2(acc[i][2 * r] * inv, acc[i][2 * r + 1] * inv);
+    if ((lane & 3) == 0) p.partial_lse[slot] = empty ? -INFINITY : (m_run[r] + log2f(l_run[r])) * kLn2;
+  }
+}
+
+}  // namespace jax_msa::sm90::prefill

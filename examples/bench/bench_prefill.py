@@ -1,0 +1,119 @@
+"""Benchmark of jax_msa.sparse_attention (prefill) on the GPU, M3 shapes, against dense cuDNN attention.
+
+One request of N new tokens (no prefix), heads Hq/Hkv, top-16 per (token, KV head): the local block plus 15
+earlier blocks drawn from a mix of popular picks (a few blocks many queries choose) and uniform picks. The plan
+(jnp, jitted) and the kernels are timed separately, medians over repeats (`timing.median_p10_p90`).
+
+Useful TFLOP/s = 4 * D * Hq * sum_t |S(t)| / time (masked keys not counted), against 790 TFLOP/s.
+
+    python examples/bench/bench_prefill.py --quick          # 32k, 64/4 and 16/1
+    python examples/bench/bench_prefill.py                  # 8k, 32k, 128k
+    python examples/bench/bench_prefill.py --tokens 2048 --heads 16/1 --no-dense   # a small run (CPU too)
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_MSA_ENABLE_UNVERIFIED_SM90_PREFILL", "1")  # the SM90 prefill until verified
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_msa
+from jax_msa.plan import default_queries_per_tile
+from timing import median_p10_p90
+
+D, K = 128, 16
+PEAK = 790e12
+
+
+def make_topk(rng, n, hkv):
+    blocks = -(-n // 128)
+    local = np.arange(n) // 128
+    popular = rng.choice(blocks, size=min(8, blocks), replace=False)
+    ids = np.full((hkv, n, K), -1, np.int32)
+    for g in range(hkv):
+        ids[g, :, 0] = local
+        for t0 in range(0, n, 128):  # tokens of one block share the candidate range [0, local)
+            loc = local[t0]
+            if loc == 0:
+                continue
+            rows = slice(t0, min(n, t0 + 128))
+            cnt = rows.stop - rows.start
+            want = min(K - 1, loc)
+            pop = popular[popular < loc]
+            picks = np.stack([rng.permutation(np.unique(np.concatenate([pop[: want // 2],
+                                                                        rng.choice(loc, want, replace=False)])))[:want]
+                              for _ in range(cnt)])
+            ids[g, rows, 1:1 + picks.shape[1]] = picks
+    return ids
+
+
+def selected_keys(ids, n):
+    """sum over tokens of |S(t)| for one KV head (set semantics, causal)."""
+    pos = np.arange(n)
+    total = 0
+    for t in range(n):
+        blocks = {int(b) for b in ids[t] if 0 <= b <= pos[t] // 128}
+        total += sum(min(128, pos[t] - 128 * b + 1) for b in blocks)
+    return total
+
+
+def bench(n, hq, hkv, repeats, dense):
+    rng = np.random.default_rng(0)
+    blocks = -(-n // 128)
+    topk_np = make_topk(rng, n, hkv)
+    q = jax.random.normal(jax.random.PRNGKey(0), (n, hq, D), jnp.bfloat16)
+    cache = jax.random.normal(jax.random.PRNGKey(1), (blocks, hkv, 128, 2 * D), jnp.bfloat16)
+    topk = jnp.asarray(topk_np)
+    cu = jnp.asarray([0, n], jnp.int32)
+    seq = jnp.asarray([n], jnp.int32)
+    bt = jnp.arange(blocks, dtype=jnp.int32)[None]
+    qpt = default_queries_per_tile(hq, hkv)
+    plan_fn = jax.jit(lambda t, c, s: jax_msa.build_prefill_plan(t, c, s, max_blocks=blocks, queries_per_tile=qpt))
+    attn = jax.jit(lambda q, c, t, cu, s, b, p: jax_msa.sparse_attention(
+        q, c, t, cu_seqlens_q=cu, seq_lens=s, block_table=b, plan=p, impl="kernel"))
+    plan = plan_fn(topk, cu, seq)
+    p_med, p_lo, p_hi = median_p10_p90(plan_fn, (topk, cu, seq), repeats)
+    k_med, k_lo, k_hi = median_p10_p90(attn, (q, cache, topk, cu, seq, bt, plan), repeats)
+    keys = sum(selected_keys(topk_np[g], n) for g in range(hkv)) // hkv  # per head, then x Hq below
+    flops = 4 * D * hq * keys
+    row = (f"| {n // 1024}k | {hq}/{hkv} | {p_med * 1e3:.2f} ({p_lo * 1e3:.2f}-{p_hi * 1e3:.2f}) | "
+           f"{k_med * 1e3:.2f} ({k_lo * 1e3:.2f}-{k_hi * 1e3:.2f}) | {flops / k_med / 1e12:.1f} | "
+           f"{100 * flops / k_med / PEAK:.1f}% | {100 * p_med / k_med:.1f}% |")
+    if dense:
+        qd = q[None]
+        kd = jax.random.normal(jax.random.PRNGKey(2), (1, n, hkv, D), jnp.bfloat16)
+        f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+        try:
+            d_med, _, _ = median_p10_p90(f, (qd, kd, kd), repeats)
+            row += f" {d_med * 1e3:.2f} | {d_med / k_med:.1f}x |"
+        except Exception as e:  # cuDNN may refuse a shape: report, do not fail the sweep
+            row += f" failed: {type(e).__name__} | - |"
+    else:
+        row += " - | - |"
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tokens", type=int, action="append")
+    ap.add_argument("--heads", action="append")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--no-dense", action="store_true")
+    a = ap.parse_args()
+    tokens = a.tokens or ([32768] if a.quick else [8192, 32768, 131072])
+    heads = [tuple(int(x) for x in h.split("/")) for h in (a.heads or ["64/4", "16/1"])]
+    print(f"devices {jax.devices()}  CUDA targets {sorted(jax_msa._ffi.cuda_targets())}")
+    print("| N | heads | plan ms (p10-p90) | kernels ms (p10-p90) | useful TFLOP/s | of 790 | plan / kernels "
+          "| dense cuDNN ms | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n in tokens:
+        for hq, hkv in heads:
+            print(bench(n, hq, hkv, a.repeats, not a.no_dense), flush=True)
+
+
+if __name__ == "__main__":
+    main()

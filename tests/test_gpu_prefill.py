@@ -1,0 +1,151 @@
+"""SM90 prefill kernel vs the float64 oracle on the GPU (run on the H200: `.ci/gpu_run.sh test`).
+
+The kernel is opt-in until these tests have passed on the H200 (JAX_MSA_ENABLE_UNVERIFIED_SM90_PREFILL=1,
+set here). Outputs and partials are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1).
+Bound: the kernel's error against the float64 oracle is at most 2x the error of a bf16 jnp implementation
+(jax_msa.reference with precision="bf16") on the same inputs.
+"""
+
+import os
+
+os.environ.setdefault("JAX_MSA_DEBUG_POISON", "1")
+os.environ.setdefault("JAX_MSA_ENABLE_UNVERIFIED_SM90_PREFILL", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_msa
+from jax_msa import KVFormat, kv_cache, reference
+from problems import brute_force_attention, make_problem
+
+pytestmark = pytest.mark.gpu
+
+K_SCALE, V_SCALE = 0.75, 1.25
+
+
+def cache_maker(fmt):
+    """cache_from_kv hook of problems.make_problem: the cache in `fmt` and the values a kernel sees."""
+    def make(k, v):
+        pages, hkv, _, d = k.shape
+        cache = jax_msa.allocate_cache(fmt, pages, hkv, d)
+        flat = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3).reshape(pages * 128, hkv, d), jnp.bfloat16)
+        scales = {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
+        cache = reference.write_kv(cache, flat(k), flat(v), jnp.arange(pages * 128, dtype=jnp.int32), **scales)
+        k_seen, v_seen = kv_cache.dequantize_cache(cache, d, K_SCALE, V_SCALE)
+        return cache, np.asarray(k_seen, np.float64), np.asarray(v_seen, np.float64)
+    return make
+
+
+def run(problem, fmt, **kw):
+    scales = {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    args = dict(cu_seqlens_q=problem.cu_seqlens_q, seq_lens=problem.seq_lens, block_table=problem.block_table,
+                **scales, **kw)
+    kernel = jax.jit(lambda q, c, t, a: jax_msa.sparse_attention(q, c, t, impl="kernel", return_lse=True, **a))
+    out, lse = kernel(problem.q, problem.kv_cache, problem.topk, args)
+    b16 = reference.sparse_attention(problem.q, problem.kv_cache, problem.topk, precision="bf16", return_lse=True,
+                                     **args)
+    return out, lse, b16
+
+
+def check(problem, fmt, **kw):
+    out, lse, (b16_out, b16_lse) = run(problem, fmt, **kw)
+    o = np.asarray(out, np.float32).astype(np.float64)
+    lse = np.asarray(lse, np.float64)
+    assert not np.isnan(o).any() and not np.isnan(lse).any(), "unwritten (NaN-poisoned) or NaN outputs"
+    ref_out, ref_lse = brute_force_attention(problem.q.astype(jnp.float32), problem.k, problem.v, problem.topk,
+                                             problem.cu_seqlens_q, problem.seq_lens, problem.block_table,
+                                             problem.scale)
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    assert np.all(o[empty] == 0.0)
+    k_err = np.abs(o - ref_out)
+    b_err = np.abs(np.asarray(b16_out, np.float32).astype(np.float64) - ref_out)
+    assert k_err.max() <= 2 * b_err.max() + 2.0**-12, (k_err.max(), b_err.max())
+    norm = max(np.linalg.norm(ref_out), 1e-30)
+    assert np.linalg.norm(k_err) / norm <= 2 * np.linalg.norm(b_err) / norm + 1e-7
+    live = ~empty
+    if live.any():
+        b_lse_err = np.abs(np.asarray(b16_lse, np.float64)[live] - ref_lse[live]).max()
+        assert np.abs(lse[live] - ref_lse[live]).max() <= 2 * b_lse_err + 1e-5
+    return out, lse
+
+
+@pytest.mark.parametrize("topk", [8, 16])
+@pytest.mark.parametrize("group", [8, 16])
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_prefill_varlen(fmt, group, topk):
+    # lengths off the tile grid; the last request is a chunked prefill over a cached prefix
+    p = make_problem(100 * int(fmt) + 10 * group + topk, q_lens=[1, 127, 129, 1000, 300],
+                     seq_lens=[1, 127, 129, 1000, 4097], num_q_heads=2 * group, num_kv_heads=2, topk=topk,
+                     pad_tokens=3, bad_page_frac=0.05, cache_from_kv=cache_maker(fmt))
+    check(p, fmt)
+
+
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_prefill_long_request(fmt):
+    p = make_problem(7 + int(fmt), q_lens=[4097], seq_lens=[4097], num_q_heads=16, num_kv_heads=1, topk=16,
+                     cache_from_kv=cache_maker(fmt))
+    check(p, fmt)
+
+
+def test_prefill_corners():
+    # all-hole rows, a block chosen by every query, a request of one token
+    p = make_problem(11, q_lens=[600, 1], seq_lens=[900, 50], num_q_heads=16, num_kv_heads=1, topk=16,
+                     cache_from_kv=cache_maker(KVFormat.BF16))
+    topk = np.array(p.topk)
+    topk[0, ::7] = -1  # rows of holes only
+    topk[0, 1::7, 0] = 0  # block 0 chosen by many queries (every query sees it: 128 * 0 <= pos)
+    topk[0, :, 1] = 0
+    p.topk = jnp.asarray(topk)
+    check(p, KVFormat.BF16)
+
+
+def test_prefill_fp8_query():
+    p = make_problem(13, q_lens=[200, 333], seq_lens=[700, 333], num_q_heads=16, num_kv_heads=1, topk=16,
+                     cache_from_kv=cache_maker(KVFormat.FP8))
+    q_scale = 0.05
+    q8 = (p.q.astype(jnp.float32) / q_scale).astype(jnp.float8_e4m3fn)
+    p.q = q8.astype(jnp.float32) * q_scale  # what the oracle sees
+    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE, q_scale=q_scale)
+    args = dict(cu_seqlens_q=p.cu_seqlens_q, seq_lens=p.seq_lens, block_table=p.block_table, return_lse=True)
+    out, _ = jax.jit(lambda q, c, t: jax_msa.sparse_attention(q, c, t, impl="kernel", **args, **scales))(
+        q8, p.kv_cache, p.topk)
+    ref, _ = brute_force_attention(p.q, p.k, p.v, p.topk, p.cu_seqlens_q, p.seq_lens, p.block_table, p.scale)
+    b16, _ = reference.sparse_attention(q8, p.kv_cache, p.topk, precision="bf16", **args, **scales)
+    k_err = np.abs(np.asarray(out, np.float32) - ref).max()
+    b_err = np.abs(np.asarray(b16, np.float32) - ref).max()
+    assert k_err <= 2 * b_err + 2.0**-12, (k_err, b_err)
+
+
+def test_prefill_deterministic():
+    p = make_problem(17, q_lens=[700], seq_lens=[1500], num_q_heads=16, num_kv_heads=2, topk=16,
+                     cache_from_kv=cache_maker(KVFormat.NVFP4))
+    a = run(p, KVFormat.NVFP4)
+    b = run(p, KVFormat.NVFP4)
+    np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+def test_prefill_total_q_beyond_grid_limit():
+    # total_q > 65,535: the work list and the combine's grid stay in range; checked against the reference
+    n = 70_000
+    p = make_problem(19, q_lens=[n], seq_lens=[n], num_q_heads=8, num_kv_heads=1, topk=4, hole_frac=0.0,
+                     dup_frac=0.0, oob_frac=0.0, cache_from_kv=cache_maker(KVFormat.BF16))
+    out, lse, (b16_out, _) = run(p, KVFormat.BF16)
+    ref_out, ref_lse = reference.sparse_attention(p.q, p.kv_cache, p.topk, cu_seqlens_q=p.cu_seqlens_q,
+                                                  seq_lens=p.seq_lens, block_table=p.block_table, return_lse=True)
+    o = np.asarray(out, np.float32)
+    assert not np.isnan(o).any()
+    k_err = np.abs(o - np.asarray(ref_out, np.float32)).max()
+    b_err = np.abs(np.asarray(b16_out, np.float32) - np.asarray(ref_out, np.float32)).max()
+    assert k_err <= 2 * b_err + 2.0**-12, (k_err, b_err)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_prefill_small_for_sanitizer(fmt):
+    p = make_problem(23, q_lens=[5, 130], seq_lens=[300, 130], num_q_heads=16, num_kv_heads=1, topk=8,
+                     pad_tokens=2, cache_from_kv=cache_maker(fmt))
+    check(p, fmt)

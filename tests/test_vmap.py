@@ -1,0 +1,208 @@
+"""jax.vmap and jax.lax.scan over a stacked leading axis (a layer axis) of the kernel ops on CPU.
+
+The reference for every case is a Python loop calling the same op (impl="kernel") on each slice: vmap
+must be bit-identical to it. decode and write_kv fold the vmapped axis into one custom call
+(jax_msa/_batching.py); batched scales and prefill run one call per element.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_msa
+from jax_msa import KVFormat
+from problems import PAGE, make_decode_problem, make_problem
+
+LAYERS = 3
+SHAPES = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, topk=4)
+# Same block counts per request (3, 2, 1, 1 blocks) in every layer: identical shapes, different values.
+LAYER_SEQ_LENS = ([300, 129, 5, 1], [257, 256, 128, 77], [384, 200, 64, 128])
+
+
+def _decode(q, kv_cache, topk, seq_lens, block_table, k_scale=None, v_scale=None, *, decode_query_len=1):
+    return jax_msa.sparse_decode(q, kv_cache, topk, seq_lens=seq_lens, block_table=block_table,
+                                 decode_query_len=decode_query_len, return_lse=True, impl="kernel",
+                                 k_scale=k_scale, v_scale=v_scale)
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def _assert_identical(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def _layer_decode_problems(seed, decode_query_len=1):
+    probs = [make_decode_problem(seed + i, seq_lens=s, decode_query_len=decode_query_len, **SHAPES)
+             for i, s in enumerate(LAYER_SEQ_LENS)]
+    args = [(p.q, p.kv_cache, p.topk, p.seq_lens, p.block_table) for p in probs]
+    assert all(a.shape == b.shape for a, b in zip(args[0], args[-1]))
+    return args
+
+
+def _loop(fn, stacked_args, in_axes):
+    n = next(a.shape[ax] for a, ax in zip(stacked_args, in_axes) if ax is not None)
+    outs = [fn(*(a if ax is None else a[i] for a, ax in zip(stacked_args, in_axes))) for i in range(n)]
+    return _stack(outs)
+
+
+def _custom_calls_and_loops(fn, args):
+    text = jax.jit(fn).lower(*args).as_text()
+    return len(re.findall(r"custom_call\s*@jax_msa_\w+", text)), "stablehlo.while" in text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("in_axes", [
+    (0, 0, 0, 0, 0),  # everything per layer (stacked caches)
+    (0, None, 0, None, None),  # per-layer q and top-k over one shared cache and batch layout
+    (0, 0, 0, None, None),  # per-layer caches, shared seq_lens / block_table
+], ids=["all", "shared_cache", "shared_paging"])
+def test_vmap_decode_matches_loop_and_is_one_call(in_axes):
+    layers = _layer_decode_problems(6100, decode_query_len=2)
+    stacked = [a if ax is not None else layers[0][j] for j, (a, ax) in enumerate(zip(_stack(layers), in_axes))]
+    dec = functools.partial(_decode, decode_query_len=2)
+    got = jax.jit(jax.vmap(dec, in_axes=in_axes))(*stacked)
+    want = _loop(jax.jit(dec), stacked, in_axes)
+    _assert_identical(got, want)
+    # The fold is one custom call on the whole stack, not a loop over layers.
+    assert _custom_calls_and_loops(jax.vmap(dec, in_axes=in_axes), stacked) == (1, False)
+
+
+def test_nested_vmap_decode_matches_loop():
+    layers = _layer_decode_problems(6200)
+    stacked = _stack(layers)
+    # [2, 3, ...]: the same stack twice, second copy with shuffled q.
+    q2 = jnp.stack([stacked[0], stacked[0][:, ::-1]])
+    args = (q2, *(jnp.stack([a, a]) for a in stacked[1:]))
+    got = jax.jit(jax.vmap(jax.vmap(_decode)))(*args)
+    want = _stack([_loop(jax.jit(_decode), [a[i] for a in args], (0,) * 5) for i in range(2)])
+    _assert_identical(got, want)
+
+
+def _quantized_cache(fmt, rng, pages, hkv, d, k_scale):
+    k = jnp.asarray(rng.standard_normal((pages * PAGE, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((pages * PAGE, hkv, d)), jnp.bfloat16)
+    cache = jax_msa.allocate_cache(fmt, pages, hkv, d)
+    return jax_msa.write_kv(cache, k, v, jnp.arange(pages * PAGE, dtype=jnp.int32), k_scale=k_scale,
+                            v_scale=k_scale * 2, impl="reference")
+
+
+@pytest.mark.parametrize("fmt", [KVFormat.FP8, KVFormat.NVFP4])
+def test_vmap_decode_with_per_layer_scales_runs_sequentially_and_matches_loop(fmt):
+    rng = np.random.default_rng(6300 + int(fmt))
+    layers = _layer_decode_problems(6300)
+    pages = layers[0][1].shape[0]
+    scales = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
+    caches = jnp.stack([_quantized_cache(fmt, rng, pages, 2, 64, s) for s in np.asarray(scales)])
+    q, _, topk, sl, bt = _stack(layers)
+    args = (q, caches, topk, sl, bt, scales, 2 * scales)
+    got = jax.jit(jax.vmap(_decode))(*args)
+    want = _loop(jax.jit(_decode), args, (0,) * 7)
+    _assert_identical(got, want)
+    assert _custom_calls_and_loops(jax.vmap(_decode), args) == (1, True)  # one call per layer
+    # Shared scales over stacked quantized caches fold into one call.
+    shared = (q, caches, topk, sl, bt, scales[1], scales[1])
+    axes = (0, 0, 0, 0, 0, None, None)
+    _assert_identical(jax.jit(jax.vmap(_decode, in_axes=axes))(*shared), _loop(jax.jit(_decode), shared, axes))
+    assert _custom_calls_and_loops(jax.vmap(_decode, in_axes=axes), shared) == (1, False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# write_kv
+# ---------------------------------------------------------------------------------------------------------
+
+def _write_args(seed, pages=3, hkv=2, d=64, n=40):
+    rng = np.random.default_rng(seed)
+    cache = jnp.asarray(rng.standard_normal((pages, hkv, PAGE, 2 * d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((n, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((n, hkv, d)), jnp.bfloat16)
+    # Distinct slots, a few negative or beyond the cache (skipped: must not land in another layer).
+    slots = jnp.asarray(rng.permutation(pages * PAGE + 8)[:n] - 4, jnp.int32)
+    return cache, k, v, slots
+
+
+def _write(cache, k, v, slots, k_scale=None, v_scale=None):
+    return jax_msa.write_kv(cache, k, v, slots, k_scale=k_scale, v_scale=v_scale, impl="kernel")
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0, 0, 0), (None, 0, 0, 0), (0, 0, 0, None), (0, None, None, None)],
+                         ids=["all", "shared_cache", "shared_slots", "only_cache"])
+def test_vmap_write_kv_matches_loop_and_is_one_call(in_axes):
+    stacked = _stack([_write_args(6400 + i) for i in range(LAYERS)])
+    base = _write_args(6400)
+    args = [s if ax is not None else b for s, b, ax in zip(stacked, base, in_axes)]
+    got = jax.jit(jax.vmap(_write, in_axes=in_axes))(*args)
+    want = _loop(jax.jit(_write), args, in_axes)
+    _assert_identical(got, want)
+    assert _custom_calls_and_loops(jax.vmap(_write, in_axes=in_axes), args) == (1, False)
+
+
+def test_vmap_write_kv_nvfp4_with_shared_and_per_layer_scales():
+    rng = np.random.default_rng(6500)
+    caches = jnp.stack([_quantized_cache(KVFormat.NVFP4, rng, 3, 2, 64, 1.0) for _ in range(LAYERS)])
+    _, k, v, slots = _stack([_write_args(6500 + i) for i in range(LAYERS)])
+    scales = jnp.asarray([0.25, 1.0, 3.0], jnp.float32)
+    for args, axes in (((caches, k, v, slots, scales, scales), (0,) * 6),
+                       ((caches, k, v, slots, scales[2], scales[0]), (0, 0, 0, 0, None, None))):
+        got = jax.jit(jax.vmap(_write, in_axes=axes))(*args)
+        _assert_identical(got, _loop(jax.jit(_write), args, axes))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prefill (sequential) and a layer stack under scan
+# ---------------------------------------------------------------------------------------------------------
+
+def test_vmap_sparse_attention_matches_loop():
+    probs = [make_problem(6600 + i, q_lens=[5, 9], seq_lens=[260 - 3 * i, 140 + i], **SHAPES) for i in range(2)]
+    args = _stack([(p.q, p.kv_cache, p.topk, p.cu_seqlens_q, p.seq_lens, p.block_table) for p in probs])
+
+    def attention(q, kv_cache, topk, cu, sl, bt):
+        return jax_msa.sparse_attention(q, kv_cache, topk, cu_seqlens_q=cu, seq_lens=sl, block_table=bt,
+                                        return_lse=True, impl="kernel")
+
+    _assert_identical(jax.jit(jax.vmap(attention))(*args), _loop(jax.jit(attention), args, (0,) * 6))
+
+
+def test_scan_and_vmap_over_layers_match_a_python_loop():
+    """A decode step per layer: write the new token's K/V into the layer's cache, then attend."""
+    layers = _layer_decode_problems(6700)
+    q, caches, topk, sl, bt = _stack(layers)
+    rng = np.random.default_rng(6701)
+    batch = sl.shape[1]
+    new_k = jnp.asarray(rng.standard_normal((LAYERS, batch, 2, 64)), jnp.bfloat16)
+    new_v = jnp.asarray(rng.standard_normal((LAYERS, batch, 2, 64)), jnp.bfloat16)
+    # Each request's last token (position seq_len - 1) goes to its page and offset.
+    last = sl - 1
+    slots = jnp.take_along_axis(bt, (last // PAGE)[..., None], axis=-1)[..., 0] * PAGE + last % PAGE
+
+    def layer(q, cache, topk, sl, bt, k, v, slots):
+        cache = _write(cache, k, v, slots)
+        return cache, _decode(q, cache, topk, sl, bt)
+
+    xs = (q, caches, topk, sl, bt, new_k, new_v, slots)
+    want = _loop(jax.jit(layer), xs, (0,) * 8)
+
+    def scanned(xs):
+        return jax.lax.scan(lambda c, x: (c, layer(*x)), 0, xs)[1]
+
+    _assert_identical(jax.jit(scanned)(xs), want)
+    _assert_identical(jax.jit(jax.vmap(layer))(*xs), want)
+    # The new tokens are really in the returned caches (and read by decode): rows differ from the input.
+    assert not np.array_equal(_bits(want[0]), _bits(caches))
