@@ -78,9 +78,6 @@ class ServingSpecs:
     def replicated(self) -> PartitionSpec:
         return PartitionSpec()
 
-    def named(self, mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
-        return NamedSharding(mesh, spec)
-
 
 def _axis_size(mesh: Mesh, axis: str | None) -> int:
     if axis is None:

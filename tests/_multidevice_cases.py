@@ -127,7 +127,9 @@ def test_sharded_write_kv_equals_unsharded(mesh_name, fmt):
     cache = jnp.concatenate([_quantized_cache(fmt, 7150 + i, pages) for i in range(d)])
     k = jnp.asarray(rng.standard_normal((d * n, HKV, HEAD_DIM)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((d * n, HKV, HEAD_DIM)), jnp.bfloat16)
-    local = np.stack([rng.permutation(pages * PAGE + 8)[:n] - 4 for _ in range(d)])  # some skipped
+    # Distinct local slots per shard, two skipped: just beyond the shard's pages, and negative.
+    local = np.stack([rng.permutation(np.concatenate([rng.permutation(pages * PAGE)[:n - 2], [pages * PAGE, -1]]))
+                      for _ in range(d)])
     scales = dict(k_scale=0.5, v_scale=2.0) if fmt != KVFormat.BF16 else {}
     want = jax_msa.write_kv(cache, k, v, _global_ids(local, pages * PAGE).reshape(-1), impl="kernel", **scales)
 
@@ -179,3 +181,15 @@ def test_indivisible_shapes_raise(mesh_name):
     p = make_decode_problem(7300, seq_lens=[300, 77], num_q_heads=4, num_kv_heads=2, head_dim=64, topk=4)
     with pytest.raises(ValueError, match=r"Hkv \(topk.shape\[0\]\) = 2 must be divisible by the size 4"):
         sharded_sparse_decode(mesh)(p.q, p.kv_cache, p.topk, p.seq_lens, p.block_table)
+
+
+@pytest.mark.parametrize("mesh_name", ["mesh2x4"])
+def test_auto_axes_mesh_and_unplaced_inputs(mesh_name):
+    """Under Auto mesh axes, inputs not yet laid out per the specs are placed by shard_map itself."""
+    mesh = jax.make_mesh(MESHES[mesh_name], ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = _decode_shards(7400, mesh.shape["data"], KVFormat.BF16)
+    want = jax_msa.sparse_decode(x["q"], x["kv_cache"], x["topk"], seq_lens=x["seq_lens"],
+                                 block_table=x["global_block_table"], decode_query_len=2, impl="kernel")
+    decode = sharded_sparse_decode(mesh, decode_query_len=2, impl="kernel")
+    got = jax.jit(decode)(x["q"], x["kv_cache"], x["topk"], x["seq_lens"], x["block_table"])
+    _assert_identical(got, want)

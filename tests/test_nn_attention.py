@@ -12,6 +12,7 @@ Caches start poisoned (NaN everywhere), so any read of an unwritten slot or a fo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -218,7 +219,7 @@ def test_layer_matches_float64_m3_layer(dense):
 def test_prefill_then_decode_equals_one_prefill(dense):
     module = layer(dense)
     rng = np.random.default_rng(2)
-    prompt = [530, 260]
+    prompt = [530, 255]  # request 1 crosses into a new block (page) in the speculative step
     total = [p + 1 + 4 for p in prompt]  # one plain decode step, then one step of 1 + 3 speculative tokens
     xs = [bf16(rng.standard_normal((n, CFG.hidden_size))) for n in total]
     block_table = block_tables(rng, total, num_pages=9, max_blocks=6)
@@ -270,7 +271,7 @@ def test_weight_loading_round_trip(tmp_path):
 
     module = MSAAttention(c, rngs=nnx.Rngs(7))
     load_attention_weights(module, path, layer=5)
-    for name, (hf_shape) in hf.items():
+    for name, hf_shape in hf.items():
         got = np.asarray(getattr(module, name).kernel[...] if len(hf_shape) == 2 else getattr(module, name).weight[...])
         want = tensors[f"model.layers.5.self_attn.{name}.weight"]
         np.testing.assert_array_equal(got, want.T if len(hf_shape) == 2 else want)
@@ -281,7 +282,8 @@ def test_weight_loading_round_trip(tmp_path):
 
     dense = MSAAttention(c, dense=True, rngs=nnx.Rngs(8))
     load_attention_weights(dense, path, layer=5)  # a dense layer reads no index tensors
-    np.testing.assert_array_equal(np.asarray(dense.o_proj.kernel[...]), tensors["model.layers.5.self_attn.o_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(dense.o_proj.kernel[...]),
+                                  tensors["model.layers.5.self_attn.o_proj.weight"].T)
     with pytest.raises(KeyError, match="model.layers.4.self_attn.k_proj.weight"):
         load_attention_weights(module, path, layer=4)
     bad = dict(tensors)
@@ -300,7 +302,7 @@ def test_config_from_hf_dict():
     assert (cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.group_size) == (6144, 64, 4, 16)
     assert (cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.topk) == (64, 5e6, 1e-5, 16)
     assert [cfg.is_dense_layer(i) for i in (0, 2, 3, 59)] == [True, True, False, False]
-    assert set(HF_CONFIG_KEYS) <= {f.name for f in __import__("dataclasses").fields(M3AttentionConfig)}
+    assert set(HF_CONFIG_KEYS) <= {f.name for f in dataclasses.fields(M3AttentionConfig)}
     small = M3AttentionConfig.from_hf_dict(hf, hidden_size=256, num_q_heads=16, num_kv_heads=1, num_index_heads=1)
     assert (small.hidden_size, small.group_size) == (256, 16)
     with pytest.raises(ValueError, match="one head per KV head"):

@@ -163,3 +163,16 @@ def test_decode_equals_prefill_rows():
     dec = run_decode(q_idx, cache, sl, block_table, decode_query_len=q_len, topk=3)
     pre = run_prefill(q_idx, cache, jnp.asarray([0, q_len, 2 * q_len], jnp.int32), sl, block_table, topk=3)
     np.testing.assert_array_equal(np.asarray(dec), np.asarray(pre))
+
+
+def test_write_index_keys_scatters_rows_and_skips_bad_slots():
+    rng = np.random.default_rng(6)
+    pages = 3
+    cache = jnp.full(allocate_index_cache(pages, DIM).shape, jnp.nan, jnp.bfloat16)
+    slots = np.array([0, 129, 383, -1, pages * PAGE, 250], np.int32)
+    rows = integer_values(rng, (len(slots), DIM)) * 0.5
+    got = np.asarray(write_index_keys(cache, jnp.asarray(rows), jnp.asarray(slots)).astype(jnp.float32))
+    want = np.full((pages * PAGE, DIM), np.nan, np.float32)
+    keep = (slots >= 0) & (slots < pages * PAGE)
+    want[slots[keep]] = rows[keep]
+    np.testing.assert_array_equal(got.reshape(pages * PAGE, DIM), want)  # NaN positions must match too

@@ -47,9 +47,12 @@ def _assert_identical(got, want):
 
 
 def _layer_decode_problems(seed, decode_query_len=1):
-    probs = [make_decode_problem(seed + i, seq_lens=s, decode_query_len=decode_query_len, **SHAPES)
-             for i, s in enumerate(LAYER_SEQ_LENS)]
-    args = [(p.q, p.kv_cache, p.topk, p.seq_lens, p.block_table) for p in probs]
+    # Invalid page ids in the block tables (holes; >= P must not reach the next layer's pages when folded).
+    probs = [make_decode_problem(seed + i, seq_lens=s, decode_query_len=decode_query_len, bad_page_frac=0.3,
+                                 **SHAPES) for i, s in enumerate(LAYER_SEQ_LENS)]
+    # Request 0's first block sits on page id P, just beyond the cache: a hole in every layer.
+    args = [(p.q, p.kv_cache, p.topk, p.seq_lens, p.block_table.at[0, 0].set(p.kv_cache.shape[0]))
+            for p in probs]
     assert all(a.shape == b.shape for a, b in zip(args[0], args[-1]))
     return args
 
@@ -96,12 +99,19 @@ def test_nested_vmap_decode_matches_loop():
     _assert_identical(got, want)
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def _fill_cache(fmt, k, v, k_scale):
+    """A cache of format fmt whose every token holds k, v (quantized with k_scale, 2 * k_scale)."""
+    n, hkv, d = k.shape
+    cache = jax_msa.allocate_cache(fmt, n // PAGE, hkv, d)
+    return jax_msa.write_kv(cache, k, v, jnp.arange(n, dtype=jnp.int32), k_scale=k_scale, v_scale=k_scale * 2,
+                            impl="kernel")
+
+
 def _quantized_cache(fmt, rng, pages, hkv, d, k_scale):
     k = jnp.asarray(rng.standard_normal((pages * PAGE, hkv, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((pages * PAGE, hkv, d)), jnp.bfloat16)
-    cache = jax_msa.allocate_cache(fmt, pages, hkv, d)
-    return jax_msa.write_kv(cache, k, v, jnp.arange(pages * PAGE, dtype=jnp.int32), k_scale=k_scale,
-                            v_scale=k_scale * 2, impl="reference")
+    return _fill_cache(fmt, k, v, jnp.float32(k_scale))
 
 
 @pytest.mark.parametrize("fmt", [KVFormat.FP8, KVFormat.NVFP4])
@@ -133,8 +143,10 @@ def _write_args(seed, pages=3, hkv=2, d=64, n=40):
     cache = jnp.asarray(rng.standard_normal((pages, hkv, PAGE, 2 * d)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((n, hkv, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((n, hkv, d)), jnp.bfloat16)
-    # Distinct slots, a few negative or beyond the cache (skipped: must not land in another layer).
-    slots = jnp.asarray(rng.permutation(pages * PAGE + 8)[:n] - 4, jnp.int32)
+    # Distinct slots, two of them skipped: one just beyond the cache (must not land in the next layer when
+    # folded) and one negative.
+    slots = np.concatenate([rng.permutation(pages * PAGE)[:n - 2], [pages * PAGE + rng.integers(4), -1]])
+    slots = jnp.asarray(rng.permutation(slots), jnp.int32)
     return cache, k, v, slots
 
 

@@ -34,7 +34,9 @@ def _linear(n_in, n_out, param_dtype, rngs):
 
 
 class MSAAttention(nnx.Module):
-    """One M3 attention layer. ``dense=True``: a dense causal GQA layer (no indexer weights)."""
+    """One M3 attention layer. ``dense=True``: a dense causal GQA layer (no indexer weights).
+    ``param_dtype``: the weights' dtype (bf16 as served). ``impl`` is passed to the jax_msa ops
+    (``"auto"``: the platform's kernel where there is one, else the jnp reference)."""
 
     def __init__(self, config: M3AttentionConfig, *, dense: bool = False, rngs: nnx.Rngs,
                  param_dtype=jnp.bfloat16, impl: str = "auto"):

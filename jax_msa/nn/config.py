@@ -34,7 +34,7 @@ HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
 class M3AttentionConfig:
     """Shapes and constants of an M3 attention layer (defaults: the full model, MSA.md section 1)."""
 
-    hidden_size: int = 6144
+    hidden_size: int = 6144  # assumed (not in MSA.md); any value works
     num_q_heads: int = 64  # HF num_attention_heads
     num_kv_heads: int = 4  # HF num_key_value_heads; GQA group = num_q_heads // num_kv_heads
     head_dim: int = 128  # q, k and v
