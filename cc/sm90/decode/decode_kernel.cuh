@@ -4,29 +4,14 @@
 #pragma once
 #include <cuda_bf16.h>
 
-#include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
-#include <cute/arch/mma_sm80.hpp>
 
 #include "common/params.h"
+#include "sm90/common/warp_mma.cuh"
 #include "sm90/decode/chunk_io.cuh"
 #include "sm90/decode/config.h"
 
 namespace jax_msa::sm90::decode {
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-__device__ __forceinline__ void ldsm_x4(const uint8_t* p, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(p), r0, r1, r2, r3);
-}
-__device__ __forceinline__ void ldsm_x4_t(const uint8_t* p, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(p), r0, r1, r2, r3);
-}
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1], d[2],
-                                            d[3]);
-}
 
 // Two consecutive query elements (row, d..d+1) as bf16x2; rows past the group are zero.
 __device__ __forceinline__ uint32_t load_q_pair(const DecodeParams& p, int64_t row_base, int row, int group, int d) {

@@ -1,0 +1,27 @@
+// Warp-level MMA building blocks shared by the SM90 decode and prefill kernels: ldmatrix (plain and
+// transposed) from shared memory and the bf16 m16n8k16 MMA with fp32 accumulation (CuTe's SM75/SM80 atoms),
+// and the log2 / ln constants of their online softmax.
+#pragma once
+#include <cstdint>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/mma_sm80.hpp>
+
+namespace jax_msa::sm90 {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ void ldsm_x4(const uint8_t* p, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(p), r0, r1, r2, r3);
+}
+__device__ __forceinline__ void ldsm_x4_t(const uint8_t* p, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(p), r0, r1, r2, r3);
+}
+// d += a * b for one 16x8x16 tile: a = 4 bf16x2 registers (row major), b = 2 (column major)
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1], d[2],
+                                            d[3]);
+}
+
+}  // namespace jax_msa::sm90
