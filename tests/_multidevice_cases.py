@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 import jax_msa
 from jax_msa import KVFormat
 from jax_msa.sharding import ServingSpecs, sharded_sparse_attention, sharded_sparse_decode, sharded_write_kv
+from bitwise import assert_bitwise_equal
 from problems import PAGE, make_decode_problem, make_problem
 
 MESHES = {"mesh1x8": (1, 8), "mesh2x4": (2, 4), "mesh4x2": (4, 2)}
@@ -41,17 +42,6 @@ def _mesh(name):
 
 def _put(mesh, x, spec):
     return jax.device_put(x, NamedSharding(mesh, spec))
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
-def _assert_identical(got, want):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
 def _assert_no_collectives(fn, *args):
@@ -113,7 +103,7 @@ def test_sharded_decode_equals_unsharded(mesh_name, fmt):
     step = jax.jit(lambda *a: decode(*a, **scales))
     got = step(*args)
     assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, SPECS.q), 3)
-    _assert_identical(got, want)
+    assert_bitwise_equal(got, want)
     _assert_no_collectives(lambda *a: decode(*a, **scales), *args)
 
 
@@ -137,7 +127,7 @@ def test_sharded_write_kv_equals_unsharded(mesh_name, fmt):
     args = (_put(mesh, cache, SPECS.kv_cache), _put(mesh, k, SPECS.q), _put(mesh, v, SPECS.q),
             _put(mesh, jnp.asarray(local.reshape(-1), jnp.int32), SPECS.per_request))
     got = jax.jit(lambda *a: write(*a, **scales))(*args)
-    _assert_identical(got, want)
+    assert_bitwise_equal(got, want)
     _assert_no_collectives(lambda *a: write(*a, **scales), *args)
 
 
@@ -171,7 +161,7 @@ def test_sharded_prefill_equals_unsharded(mesh_name):
     def step(q, cache, topk, cu, sl, bt):
         return attention(q, cache, topk, cu_seqlens_q=cu, seq_lens=sl, block_table=bt)
 
-    _assert_identical(jax.jit(step)(*args), want)
+    assert_bitwise_equal(jax.jit(step)(*args), want)
     _assert_no_collectives(step, *args)
 
 
@@ -192,4 +182,4 @@ def test_auto_axes_mesh_and_unplaced_inputs(mesh_name):
                                  block_table=x["global_block_table"], decode_query_len=2, impl="kernel")
     decode = sharded_sparse_decode(mesh, decode_query_len=2, impl="kernel")
     got = jax.jit(decode)(x["q"], x["kv_cache"], x["topk"], x["seq_lens"], x["block_table"])
-    _assert_identical(got, want)
+    assert_bitwise_equal(got, want)

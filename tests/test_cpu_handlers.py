@@ -22,6 +22,7 @@ import pytest
 
 import jax_msa
 from jax_msa import reference
+from bitwise import bits
 from problems import INT32_MAX, INT32_MIN, PAGE, make_decode_problem, make_problem
 
 OUT_SLACK = 1e-6
@@ -204,10 +205,6 @@ def _write_kv_inputs(seed, *, pages=5, hkv=2, d=128, n=24, k_dtype=jnp.bfloat16)
     return cache, k, v, jnp.asarray(slots)
 
 
-def _bits(x):
-    return np.asarray(x).view(np.uint16)
-
-
 @pytest.mark.parametrize("k_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16_kv", "f32_kv"])
 def test_write_kv_bit_exact_vs_reference(k_dtype):
     cache, k, v, slots = _write_kv_inputs(401, k_dtype=k_dtype)
@@ -215,7 +212,7 @@ def test_write_kv_bit_exact_vs_reference(k_dtype):
     got = jax.jit(functools.partial(jax_msa.write_kv, impl="kernel"))(cache, k, v, slots)
     want = jax.jit(reference.write_kv)(cache, k, v, slots)
     assert got.dtype == jnp.bfloat16 and got.shape == cache.shape
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(bits(got), bits(want))
 
     # Independently: written rows hold bf16(k) | bf16(v); every other row is untouched.
     got = np.asarray(got)
@@ -226,9 +223,9 @@ def test_write_kv_bit_exact_vs_reference(k_dtype):
     for n in np.nonzero(ok)[0]:
         page, off = divmod(int(s[n]), PAGE)
         row = np.concatenate([np.asarray(k[n]), np.asarray(v[n])], axis=-1).astype(ml_dtypes.bfloat16)
-        np.testing.assert_array_equal(_bits(got[page, :, off]), _bits(row))
+        np.testing.assert_array_equal(bits(got[page, :, off]), bits(row))
         touched[page, :, off] = True
-    np.testing.assert_array_equal(_bits(got[~touched]), _bits(before[~touched]))
+    np.testing.assert_array_equal(bits(got[~touched]), bits(before[~touched]))
 
 
 def test_write_kv_in_place_under_donation():
@@ -250,5 +247,5 @@ def test_write_kv_in_place_under_donation():
     got2 = fn(got, k2, v2, slots2)
     assert got.is_deleted()
     assert got2.unsafe_buffer_pointer() == pointer
-    np.testing.assert_array_equal(_bits(first), _bits(want))
-    np.testing.assert_array_equal(_bits(got2), _bits(want2))
+    np.testing.assert_array_equal(bits(first), bits(want))
+    np.testing.assert_array_equal(bits(got2), bits(want2))

@@ -17,6 +17,7 @@ import pytest
 
 import jax_msa
 from jax_msa import KVFormat
+from bitwise import assert_bitwise_equal, bits
 from problems import PAGE, make_decode_problem, make_problem
 
 LAYERS = 3
@@ -33,17 +34,6 @@ def _decode(q, kv_cache, topk, seq_lens, block_table, k_scale=None, v_scale=None
 
 def _stack(trees):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
-def _assert_identical(got, want):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
 def _layer_decode_problems(seed, decode_query_len=1):
@@ -83,7 +73,7 @@ def test_vmap_decode_matches_loop_and_is_one_call(in_axes):
     dec = functools.partial(_decode, decode_query_len=2)
     got = jax.jit(jax.vmap(dec, in_axes=in_axes))(*stacked)
     want = _loop(jax.jit(dec), stacked, in_axes)
-    _assert_identical(got, want)
+    assert_bitwise_equal(got, want)
     # The fold is one custom call on the whole stack, not a loop over layers.
     assert _custom_calls_and_loops(jax.vmap(dec, in_axes=in_axes), stacked) == (1, False)
 
@@ -96,7 +86,7 @@ def test_nested_vmap_decode_matches_loop():
     args = (q2, *(jnp.stack([a, a]) for a in stacked[1:]))
     got = jax.jit(jax.vmap(jax.vmap(_decode)))(*args)
     want = _stack([_loop(jax.jit(_decode), [a[i] for a in args], (0,) * 5) for i in range(2)])
-    _assert_identical(got, want)
+    assert_bitwise_equal(got, want)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -125,12 +115,12 @@ def test_vmap_decode_with_per_layer_scales_runs_sequentially_and_matches_loop(fm
     args = (q, caches, topk, sl, bt, scales, 2 * scales)
     got = jax.jit(jax.vmap(_decode))(*args)
     want = _loop(jax.jit(_decode), args, (0,) * 7)
-    _assert_identical(got, want)
+    assert_bitwise_equal(got, want)
     assert _custom_calls_and_loops(jax.vmap(_decode), args) == (1, True)  # one call per layer
     # Shared scales over stacked quantized caches fold into one call.
     shared = (q, caches, topk, sl, bt, scales[1], scales[1])
     axes = (0, 0, 0, 0, 0, None, None)
-    _assert_identical(jax.jit(jax.vmap(_decode, in_axes=axes))(*shared), _loop(jax.jit(_decode), shared, axes))
+    assert_bitwise_equal(jax.jit(jax.vmap(_decode, in_axes=axes))(*shared), _loop(jax.jit(_decode), shared, axes))
     assert _custom_calls_and_loops(jax.vmap(_decode, in_axes=axes), shared) == (1, False)
 
 
@@ -162,7 +152,7 @@ def test_vmap_write_kv_matches_loop_and_is_one_call(in_axes):
     args = [s if ax is not None else b for s, b, ax in zip(stacked, base, in_axes)]
     got = jax.jit(jax.vmap(_write, in_axes=in_axes))(*args)
     want = _loop(jax.jit(_write), args, in_axes)
-    _assert_identical(got, want)
+    assert_bitwise_equal(got, want)
     assert _custom_calls_and_loops(jax.vmap(_write, in_axes=in_axes), args) == (1, False)
 
 
@@ -174,7 +164,7 @@ def test_vmap_write_kv_nvfp4_with_shared_and_per_layer_scales():
     for args, axes in (((caches, k, v, slots, scales, scales), (0,) * 6),
                        ((caches, k, v, slots, scales[2], scales[0]), (0, 0, 0, 0, None, None))):
         got = jax.jit(jax.vmap(_write, in_axes=axes))(*args)
-        _assert_identical(got, _loop(jax.jit(_write), args, axes))
+        assert_bitwise_equal(got, _loop(jax.jit(_write), args, axes))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -189,7 +179,7 @@ def test_vmap_sparse_attention_matches_loop():
         return jax_msa.sparse_attention(q, kv_cache, topk, cu_seqlens_q=cu, seq_lens=sl, block_table=bt,
                                         return_lse=True, impl="kernel")
 
-    _assert_identical(jax.jit(jax.vmap(attention))(*args), _loop(jax.jit(attention), args, (0,) * 6))
+    assert_bitwise_equal(jax.jit(jax.vmap(attention))(*args), _loop(jax.jit(attention), args, (0,) * 6))
 
 
 def test_scan_and_vmap_over_layers_match_a_python_loop():
@@ -214,7 +204,7 @@ def test_scan_and_vmap_over_layers_match_a_python_loop():
     def scanned(xs):
         return jax.lax.scan(lambda c, x: (c, layer(*x)), 0, xs)[1]
 
-    _assert_identical(jax.jit(scanned)(xs), want)
-    _assert_identical(jax.jit(jax.vmap(layer))(*xs), want)
+    assert_bitwise_equal(jax.jit(scanned)(xs), want)
+    assert_bitwise_equal(jax.jit(jax.vmap(layer))(*xs), want)
     # The new tokens are really in the returned caches (and read by decode): rows differ from the input.
-    assert not np.array_equal(_bits(want[0]), _bits(caches))
+    assert not np.array_equal(bits(want[0]), bits(caches))
