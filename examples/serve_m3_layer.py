@@ -5,6 +5,7 @@ split of one layer's time between the indexer and the attention op.
 
     python examples/serve_m3_layer.py --small     # CPU: 16/1 heads (M3 at TP4), head_dim 128, < 1 minute
     python examples/serve_m3_layer.py             # M3 per-layer geometry: hidden 6144, 64/4 heads (GPU-sized)
+    python examples/serve_m3_layer.py --prompts 32768,4000,1000   # long prompts (H200)
 
 The stack is attention only: x <- x + MSAAttention(rms_norm(x)) per layer (layers [0, num_dense_layers)
 dense, the rest MSA), with a tied random embedding as input and greedy head. Speculative steps accept
@@ -85,6 +86,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="CPU-sized: hidden 512, 16/1 heads, top-4, 3 layers")
     parser.add_argument("--steps", type=int, default=4, help="decode steps per phase")
+    parser.add_argument("--prompts", help="comma-separated prompt lengths (default: 150,420,700 small, "
+                                          "1000,3000,5000 otherwise)")
     args = parser.parse_args()
     if args.small:
         cfg = M3AttentionConfig(hidden_size=512, num_q_heads=16, num_kv_heads=1, num_index_heads=1, topk=4,
@@ -93,6 +96,8 @@ def main():
     else:
         cfg = M3AttentionConfig(num_dense_layers=1)  # M3 per-layer shapes; 1 dense + 3 MSA layers
         num_layers, prompts, vocab = 4, [1000, 3000, 5000], 4096
+    if args.prompts:
+        prompts = [int(x) for x in args.prompts.split(",")]
     spec = 3
     b = len(prompts)
     max_len = max(prompts) + args.steps * (2 + spec)

@@ -1,7 +1,6 @@
 """SM90 prefill kernel vs the float64 oracle on the GPU (run on the H200: `.ci/gpu_run.sh test`).
 
-The kernel is opt-in until these tests have passed on the H200 (JAX_MSA_ENABLE_UNVERIFIED_SM90_PREFILL=1,
-set here). Outputs and partials are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1).
+Outputs and partials are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1, set here).
 Bound: the kernel's error against the float64 oracle is at most 2x the error of a bf16 jnp implementation
 (jax_msa.reference with precision="bf16") on the same inputs.
 """
@@ -9,7 +8,6 @@ Bound: the kernel's error against the float64 oracle is at most 2x the error of 
 import os
 
 os.environ.setdefault("JAX_MSA_DEBUG_POISON", "1")
-os.environ.setdefault("JAX_MSA_ENABLE_UNVERIFIED_SM90_PREFILL", "1")
 
 import jax
 import jax.numpy as jnp

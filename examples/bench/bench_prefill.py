@@ -12,9 +12,7 @@ Useful TFLOP/s = 4 * D * Hq * sum_t |S(t)| / time (masked keys not counted), aga
 """
 
 import argparse
-import os
 
-os.environ.setdefault("JAX_MSA_ENABLE_UNVERIFIED_SM90_PREFILL", "1")  # the SM90 prefill until verified
 
 import jax
 import jax.numpy as jnp
@@ -60,12 +58,27 @@ def selected_keys(ids, n):
     return total
 
 
-def bench(n, hq, hkv, repeats, dense):
+def useful_flops(topk_np, n, hq):
+    """4 * D * Hq * (selected causal keys per KV head, averaged over the KV heads)."""
+    hkv = topk_np.shape[0]
+    return 4 * D * hq * (sum(selected_keys(topk_np[g], n) for g in range(hkv)) // hkv)
+
+
+def make_cache(fmt, blocks, hkv):
+    """A cache of random keys and values in `fmt` (FP8 / NVFP4 written with scales 1)."""
+    if fmt == "BF16":
+        return jax.random.normal(jax.random.PRNGKey(1), (blocks, hkv, 128, 2 * D), jnp.bfloat16)
+    k, v = jax.random.normal(jax.random.PRNGKey(1), (2, blocks * 128, hkv, D), jnp.bfloat16)
+    cache = jax_msa.allocate_cache(jax_msa.KVFormat[fmt], blocks, hkv, D)
+    return jax.jit(jax_msa.write_kv)(cache, k, v, jnp.arange(blocks * 128, dtype=jnp.int32))
+
+
+def bench(n, hq, hkv, repeats, dense, fmt="BF16"):
     rng = np.random.default_rng(0)
     blocks = -(-n // 128)
     topk_np = make_topk(rng, n, hkv)
     q = jax.random.normal(jax.random.PRNGKey(0), (n, hq, D), jnp.bfloat16)
-    cache = jax.random.normal(jax.random.PRNGKey(1), (blocks, hkv, 128, 2 * D), jnp.bfloat16)
+    cache = make_cache(fmt, blocks, hkv)
     topk = jnp.asarray(topk_np)
     cu = jnp.asarray([0, n], jnp.int32)
     seq = jnp.asarray([n], jnp.int32)
@@ -77,9 +90,8 @@ def bench(n, hq, hkv, repeats, dense):
     plan = plan_fn(topk, cu, seq)
     p_med, p_lo, p_hi = median_p10_p90(plan_fn, (topk, cu, seq), repeats)
     k_med, k_lo, k_hi = median_p10_p90(attn, (q, cache, topk, cu, seq, bt, plan), repeats)
-    keys = sum(selected_keys(topk_np[g], n) for g in range(hkv)) // hkv  # per head, then x Hq below
-    flops = 4 * D * hq * keys
-    row = (f"| {n // 1024}k | {hq}/{hkv} | {p_med * 1e3:.2f} ({p_lo * 1e3:.2f}-{p_hi * 1e3:.2f}) | "
+    flops = useful_flops(topk_np, n, hq)
+    row = (f"| {n // 1024}k | {hq}/{hkv} | {fmt} | {p_med * 1e3:.2f} ({p_lo * 1e3:.2f}-{p_hi * 1e3:.2f}) | "
            f"{k_med * 1e3:.2f} ({k_lo * 1e3:.2f}-{k_hi * 1e3:.2f}) | {flops / k_med / 1e12:.1f} | "
            f"{100 * flops / k_med / PEAK:.1f}% | {100 * p_med / k_med:.1f}% |")
     if dense:
@@ -103,16 +115,18 @@ def main():
     ap.add_argument("--heads", action="append")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--fmt", action="append", choices=["BF16", "FP8", "NVFP4"], help="KV format(s), default BF16")
     a = ap.parse_args()
     tokens = a.tokens or ([32768] if a.quick else [8192, 32768, 131072])
     heads = [tuple(int(x) for x in h.split("/")) for h in (a.heads or ["64/4", "16/1"])]
     print(f"devices {jax.devices()}  CUDA targets {sorted(jax_msa._ffi.cuda_targets())}")
-    print("| N | heads | plan ms (p10-p90) | kernels ms (p10-p90) | useful TFLOP/s | of 790 | plan / kernels "
+    print("| N | heads | KV | plan ms (p10-p90) | kernels ms (p10-p90) | useful TFLOP/s | of 790 | plan / kernels "
           "| dense cuDNN ms | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in tokens:
         for hq, hkv in heads:
-            print(bench(n, hq, hkv, a.repeats, not a.no_dense), flush=True)
+            for fmt in a.fmt or ["BF16"]:
+                print(bench(n, hq, hkv, a.repeats, not a.no_dense and fmt == "BF16", fmt), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,22 +10,15 @@ kernel time) as a fraction of 4.3 TB/s.
 """
 
 import argparse
-import csv
-import glob
-import io
 import os
 import statistics
-import subprocess
 import sys
+
+from ncu_util import kernel_durations
 
 HBM = 4.3e12
 DEFAULT_CASES = [f"{h},{b},{c},{q},{f}" for h in ("64/4", "16/1") for b in (1, 32, 256) for c in (32768,)
                  for q in (1, 4) for f in ("BF16", "FP8", "NVFP4")]
-
-
-def ncu_binary():
-    found = sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))
-    return found[-1] if found else "ncu"
 
 
 def selected_bytes(heads, batch, q_len, fmt):
@@ -37,16 +30,12 @@ def selected_bytes(heads, batch, q_len, fmt):
 def profile(case, calls):
     heads, batch, context, q_len, fmt = case.split(",")
     bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_decode.py")
-    cmd = [ncu_binary(), "--csv", "--clock-control", "none", "-k", "regex:sparse_decode_kernel|combine_splits",
-           "-c", str(2 * calls + 8), "--metrics", "gpu__time_duration.sum", sys.executable, bench,
-           "--heads", heads, "--batch", batch, "--context", context, "--q-len", q_len, "--fmt", fmt,
-           "--repeats", "1", "--no-dense"]
-    text = subprocess.run(cmd, capture_output=True, text=True).stdout
-    rows = [r for r in csv.DictReader(io.StringIO(text[text.find('"ID"'):])) if r.get("Metric Name")]
+    rows = kernel_durations("sparse_decode_kernel|combine_splits", 2 * calls + 8, [
+        sys.executable, bench, "--heads", heads, "--batch", batch, "--context", context, "--q-len", q_len,
+        "--fmt", fmt, "--repeats", "1", "--no-dense"])
     per_call, current = [], None
-    for r in rows:
-        ns = float(r["Metric Value"].replace(",", "")) * (1e3 if r["Metric Unit"] == "us" else 1.0)
-        if "sparse_decode_kernel" in r["Kernel Name"]:
+    for name, ns in rows:
+        if "sparse_decode_kernel" in name:
             if current is not None:
                 per_call.append(current)
             current = ns

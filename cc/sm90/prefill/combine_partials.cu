@@ -22,21 +22,31 @@ __global__ void __launch_bounds__(128) combine_partials_kernel(const PrefillPara
   const int g = h / group, hl = h % group;
   const int count = min(max(plan.partial_count(g, t), 0), p.topk);
   const int64_t first = plan.partial_index(t, g, 0, p.num_kv_heads) * group + hl;  // rank r at first + r * group
+  // lane r holds partial c0 + r's lse and weight; the partials' O are summed in rank order (deterministic)
   float m = -INFINITY;
-  for (int r = 0; r < count; ++r) m = fmaxf(m, p.partial_lse[first + int64_t(r) * group]);
+  for (int r = lane; r < count; r += 32) m = fmaxf(m, p.partial_lse[first + int64_t(r) * group]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float total = 0.0f;
   if (m != -INFINITY) {
-    for (int r = 0; r < count; ++r) {
-      const int64_t slot = first + int64_t(r) * group;
-      const float w = expf(p.partial_lse[slot] - m);
-      const float4 o = reinterpret_cast<const float4*>(p.partial_o + slot * kHeadDim)[lane];
-      acc.x += w * o.x;
-      acc.y += w * o.y;
-      acc.z += w * o.z;
-      acc.w += w * o.w;
+    for (int c0 = 0; c0 < count; c0 += 32) {
+      const int r = c0 + lane;
+      const float w = r < count ? expf(p.partial_lse[first + int64_t(r) * group] - m) : 0.0f;
       total += w;
+      const int n = min(32, count - c0);
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const float wj = __shfl_sync(0xffffffffu, w, j);
+        const float4 o = reinterpret_cast<const float4*>(p.partial_o + (first + int64_t(c0 + j) * group) * kHeadDim)[lane];
+        acc.x += wj * o.x;
+        acc.y += wj * o.y;
+        acc.z += wj * o.z;
+        acc.w += wj * o.w;
+      }
     }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
   }
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
   reinterpret_cast<uint2*>(p.out + row * kHeadDim)[lane] =

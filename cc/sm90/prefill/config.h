@@ -5,8 +5,11 @@
 // keys [16 (w % 4), +16) of half w / 4 with the decode kernel's chunk loaders), dequantized to bf16 for
 // FP8 / NVFP4, and shared by every query of the tile.
 //   MMA rows : tile row R = i * G + h (query i of the tile, head h of the group), 16 rows a warp, mma.sync
-//              m16n8k16 bf16 -> fp32 (8 warps = 128 rows = 8 tokens x 16 heads for M3)
-//   softmax  : per warp over the two 64-key halves (online), causal mask per row (key <= position)
+//              m16n8k16 bf16 -> fp32 (8 warps = 128 rows = 8 tokens x 16 heads for M3); the query tile is
+//              gathered into shared memory (cp.async) and read with ldmatrix, so that a thread holds only its
+//              O accumulator (64 fp32) and one 32-key slice of scores: <= 128 registers, two CTAs an SM, one
+//              CTA's loads overlapping the other's MMAs
+//   softmax  : per warp over 32-key slices of the block (online), causal mask per row (key <= position)
 //   output   : one normalized partial (O fp32, lse) per (query, selected block) at the plan's rank slot; the
 //              combine kernel merges each query's partials by log-sum-exp
 #pragma once
@@ -26,15 +29,23 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = 16;
 constexpr int kTileRows = kWarps * kRowsPerWarp;  // 128 MMA rows: queries_per_tile * G <= 128
 constexpr int kMaxTileQueries = 128;              // G = 1 packs 128 queries
+constexpr int kSliceKeys = 32;                    // keys of one softmax / MMA step
+constexpr int kCtasPerSm = 2;
 
-// Shared memory: [half 0 raw | half 1 raw] then, when dequantizing, [half 0 bf16 | half 1 bf16].
+// Shared memory: [K|V half 0 bf16 | K|V half 1 bf16 | query tile bf16 (128 rows x 256 B, swizzled)].
+// FP8 / NVFP4 blocks are staged raw in the query tile's region, dequantized into the K|V tiles, and only
+// then is the query tile loaded (bf16 blocks and the query tile load together).
 template <KvFormat F>
 struct SharedPlan {
   using T = FormatTraits<F>;
-  static constexpr int kRawHalfBytes = T::kStageBytes;  // one 64-key chunk in cache format
-  static constexpr int kTileOffset = T::kNeedsDequant ? 2 * kRawHalfBytes : 0;
   static constexpr int kTileHalfBytes = 2 * kBf16TileBytes;  // K | V of 64 keys in swizzled bf16
-  static constexpr int kBytes = kTileOffset + 2 * kTileHalfBytes;  // bf16: the raw halves are the tiles
+  static constexpr int kQueryOffset = 2 * kTileHalfBytes;
+  static constexpr int kQueryBytes = kTileRows * kHeadDim * 2;
+  static constexpr int kRawOffset = T::kNeedsDequant ? kQueryOffset : 0;  // bf16: the raw halves are the tiles
+  static constexpr int kRawHalfBytes = T::kNeedsDequant ? T::kStageBytes : kTileHalfBytes;
+  static constexpr int kBytes = kQueryOffset + kQueryBytes;
+  static_assert(!T::kNeedsDequant || 2 * T::kStageBytes <= kQueryBytes, "raw block fits the query region");
+  static_assert(kCtasPerSm * kBytes <= 227 * 1024 - kCtasPerSm * 4096, "two CTAs an SM");
 };
 
 }  // namespace jax_msa::sm90::prefill

@@ -1,4 +1,4 @@
-// SM90 sparse prefill kernel: one plan work item a CTA (see config.h). Writes one normalized partial and its
+// SM90 sparse prefill kernel: one plan work item a CTA, two CTAs an SM (see config.h). Writes one normalized partial and its
 // lse per (query, selected block); combine_partials.cu merges them. Reads the plan only through PlanView.
 #pragma once
 #include <cuda_bf16.h>
@@ -16,24 +16,47 @@ namespace jax_msa::sm90::prefill {
 
 using decode::ChunkIO;
 using decode::ChunkRef;
+using decode::kBf16RowBytes;
 using decode::swizzled_offset;
 
-// Query elements (row, d..d+1) of token t, head `head` as bf16x2 (FP8 q: the raw e4m3 values, exact in bf16;
-// q_scale is folded into the softmax scale). Invalid rows are zero.
-__device__ __forceinline__ uint32_t load_q_pair(const PrefillParams& p, bool valid, int t, int head, int d) {
-  if (!valid) return 0u;
-  const int64_t off = (int64_t(t) * p.num_q_heads + head) * kHeadDim + d;
-  if (p.q_is_fp8) {
-    const uint8_t* q = static_cast<const uint8_t*>(p.q) + off;
-    return pack_bf16x2(e4m3_to_float(q[0]), e4m3_to_float(q[1]));
+// Gathers the tile's query rows (row R = i * G + h: token s_query[i], head g * G + h) into the swizzled bf16 query
+// tile; rows past the tile are zero. bf16 q: cp.async (the caller fences and waits); FP8 q: the raw e4m3 values,
+// exact in bf16 (q_scale is folded into the softmax scale), through registers.
+__device__ __forceinline__ void load_query_tile(uint8_t* q_tile, const PrefillParams& p, const int* s_query, int count,
+                                                int group, int g) {
+  constexpr int kUnits = kTileRows * kHeadDim * 2 / 16;  // 16-byte units of the tile
+#pragma unroll
+  for (int i = 0; i < kUnits / kThreads; ++i) {
+    const int u = i * kThreads + threadIdx.x;
+    const int row = u >> 4, unit = u & 15;
+    const int qi = row / group;
+    const bool valid = qi < count;
+    const int64_t elem = valid ? (int64_t(s_query[qi]) * p.num_q_heads + g * group + row % group) * kHeadDim + unit * 8
+                               : 0;
+    uint8_t* dst = q_tile + swizzled_offset(row, unit);
+    if (p.q_is_fp8) {
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (valid) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.q) + elem);
+        const uint32_t w[2] = {raw.x, raw.y};
+        uint32_t o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t b = w[j >> 1] >> (16 * (j & 1));
+          o[j] = pack_bf16x2(e4m3_to_float(uint8_t(b)), e4m3_to_float(uint8_t(b >> 8)));
+        }
+        v = make_uint4(o[0], o[1], o[2], o[3]);
+      }
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      decode::cp_async_16(dst, static_cast<const uint16_t*>(p.q) + elem, valid);
+    }
   }
-  return *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + off);
 }
 
 template <KvFormat F>
-__global__ void __launch_bounds__(kThreads, 1) sparse_prefill_kernel(const PrefillParams p) {
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) sparse_prefill_kernel(const PrefillParams p) {
   using Plan = SharedPlan<F>;
-  using Traits = FormatTraits<F>;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_query[kMaxTileQueries], s_rank[kMaxTileQueries], s_visible[kMaxTileQueries];
   __shared__ uint32_t s_table[F == KvFormat::kNvfp4 ? 256 : 1];
@@ -65,32 +88,41 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_kernel(const Prefi
   int tile_visible = 0;  // keys any query of the tile sees: the loads stop there (zero-filled beyond)
   for (int i = 0; i < count; ++i) tile_visible = max(tile_visible, s_visible[i]);
 
-  // ---- 2. load the block once (warp w: half w / 4, keys 16 (w % 4) ..), dequantize, share
+  // ---- 2. load the block once (warp w: half w / 4, keys 16 (w % 4) ..), dequantize, share; the query tile
+  uint8_t* q_tile = smem + Plan::kQueryOffset;
   const int half = warp >> 2, key0 = (warp & 3) * kKeysPerWarp;
   const int half_visible = max(0, min(kChunkKeys, tile_visible - half * kChunkKeys));
-  uint8_t* raw_half = smem + half * Plan::kRawHalfBytes;
-  uint8_t* tile_half = smem + Plan::kTileOffset + half * Plan::kTileHalfBytes;
+  uint8_t* raw_half = smem + Plan::kRawOffset + half * Plan::kRawHalfBytes;
+  uint8_t* tile_half = smem + half * Plan::kTileHalfBytes;
   const ChunkRef ref{page_ok ? page : 0, half, half_visible};
   if (half_visible > 0) ChunkIO<F>::load(raw_half, p.kv_cache, p.num_kv_heads, g, ref, key0, lane);
+  if constexpr (F == KvFormat::kBf16) load_query_tile(q_tile, p, s_query, count, group, g);
   cute::cp_async_fence();
   cute::cp_async_wait<0>();
-  __syncwarp();
-  if constexpr (F == KvFormat::kNvfp4) {
-    if (half_visible > 0) ChunkIO<F>::dequant(raw_half, tile_half, ref, key0, lane, s_table);
-  } else if constexpr (F == KvFormat::kFp8) {
-    if (half_visible > 0) ChunkIO<F>::dequant(raw_half, tile_half, ref, key0, lane);
+  if constexpr (F != KvFormat::kBf16) {
+    __syncwarp();
+    if constexpr (F == KvFormat::kNvfp4) {
+      if (half_visible > 0) ChunkIO<F>::dequant(raw_half, tile_half, ref, key0, lane, s_table);
+    } else {
+      if (half_visible > 0) ChunkIO<F>::dequant(raw_half, tile_half, ref, key0, lane);
+    }
+    __syncthreads();  // every warp is done with the raw block: the query tile takes its place
+    load_query_tile(q_tile, p, s_query, count, group, g);
+    cute::cp_async_fence();
+    cute::cp_async_wait<0>();
   }
-  __syncthreads();  // every warp reads every key of the block from here on
+  __syncthreads();  // every warp reads every key of the block and its rows of the query tile from here on
 
   // ---- 3. per warp: rows R = 16 warp + {lane / 4, lane / 4 + 8}, R = query * G + head
   const int row0 = warp * kRowsPerWarp + (lane >> 2), row1 = row0 + 8;
   const int qi0 = row0 / group, qi1 = row1 / group;
   const bool ok0 = qi0 < count, ok1 = qi1 < count;
   if (!__any_sync(0xffffffffu, ok0 || ok1)) return;  // a warp past the tile's rows has nothing to do
-  const int t0 = ok0 ? s_query[qi0] : 0, t1 = ok1 ? s_query[qi1] : 0;
-  const int h0 = g * group + row0 % group, h1 = g * group + row1 % group;
-  const int vis0 = ok0 ? s_visible[qi0] : 0, vis1 = ok1 ? s_visible[qi1] : 0;
+  const int vis[2] = {ok0 ? s_visible[qi0] : 0, ok1 ? s_visible[qi1] : 0};
   const int c2 = (lane & 3) * 2;
+  // ldmatrix.x4 of the A operand (k16 step ks): lanes 0-15 rows 0-15 at dims 16 ks, lanes 16-31 at 16 ks + 8
+  const uint8_t* q_row = q_tile + (warp * kRowsPerWarp + (lane & 15)) * kBf16RowBytes;
+  const int q_swz = lane & 7, q_unit_hi = lane >> 4;
 
   const bool quantized = F != KvFormat::kBf16;
   const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
@@ -98,46 +130,40 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_kernel(const Prefi
   const float v_scale = quantized ? p.scales[kVScale] : 1.0f;
   const float scale_log2 = p.softmax_scale * q_scale * k_scale * kLog2e;
 
-  uint32_t qf[8][4];
-#pragma unroll
-  for (int ks = 0; ks < 8; ++ks) {
-    qf[ks][0] = load_q_pair(p, ok0, t0, h0, ks * 16 + c2);
-    qf[ks][1] = load_q_pair(p, ok1, t1, h1, ks * 16 + c2);
-    qf[ks][2] = load_q_pair(p, ok0, t0, h0, ks * 16 + 8 + c2);
-    qf[ks][3] = load_q_pair(p, ok1, t1, h1, ks * 16 + 8 + c2);
-  }
   float acc[16][4];
 #pragma unroll
   for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-  const int vis[2] = {vis0, vis1};
 
-  const int n_halves = tile_visible > kChunkKeys ? 2 : (tile_visible > 0 ? 1 : 0);
-  for (int hf = 0; hf < n_halves; ++hf) {
-    const uint8_t* k_tile = smem + Plan::kTileOffset + hf * Plan::kTileHalfBytes;
+  const int n_slices = (tile_visible + kSliceKeys - 1) / kSliceKeys;
+  for (int sl = 0; sl < n_slices; ++sl) {
+    const int hf = sl >> 1, key_base = (sl & 1) * kSliceKeys;  // slice = keys [key_base, +32) of half hf
+    const uint8_t* k_tile = smem + hf * Plan::kTileHalfBytes;
     const uint8_t* v_tile = k_tile + kBf16TileBytes;
-    // S = Q K^T over the half's 64 keys: 8 n-tiles, two per ldmatrix.x4
-    float s[8][4];
+    // S = Q K^T over the slice's 32 keys: 4 n-tiles, two per ldmatrix.x4
+    float s[4][4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+    for (int i = 0; i < 4; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
+      uint32_t qa[4];
+      ldsm_x4(q_row + (((2 * ks + q_unit_hi) ^ q_swz) << 4), qa[0], qa[1], qa[2], qa[3]);
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        const int key = np * 16 + ((lane >> 4) << 3) + (lane & 7);
+      for (int np = 0; np < 2; ++np) {
+        const int key = key_base + np * 16 + ((lane >> 4) << 3) + (lane & 7);
         uint32_t b00, b01, b10, b11;
         ldsm_x4(k_tile + swizzled_offset(key, 2 * ks + ((lane >> 3) & 1)), b00, b01, b10, b11);
-        mma_bf16(s[2 * np], qf[ks], b00, b01);
-        mma_bf16(s[2 * np + 1], qf[ks], b10, b11);
+        mma_bf16(s[2 * np], qa, b00, b01);
+        mma_bf16(s[2 * np + 1], qa, b10, b11);
       }
     }
     // causal mask (key of the block <= the row's position) and online softmax, log2 units
     float m_new[2] = {m_run[0], m_run[1]};
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = hf * kChunkKeys + nt * 8 + c2 + (e & 1);
+        const int key = sl * kSliceKeys + nt * 8 + c2 + (e & 1);
         const float x = key < vis[e >> 1] ? s[nt][e] * scale_log2 : -INFINITY;
         s[nt][e] = x;
         m_new[e >> 1] = fmaxf(m_new[e >> 1], x);
@@ -153,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_kernel(const Prefi
     }
     float row_sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float base = m_run[e >> 1] == -INFINITY ? 0.0f : m_run[e >> 1];
@@ -171,13 +197,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_kernel(const Prefi
       acc[i][2] *= alpha[1];
       acc[i][3] *= alpha[1];
     }
-    // O += P V over the half: 4 k-steps of 16 keys x 16 n-tiles of 8 dims
+    // O += P V over the slice: 2 k-steps of 16 keys x 16 n-tiles of 8 dims
 #pragma unroll
-    for (int np = 0; np < 4; ++np) {
+    for (int np = 0; np < 2; ++np) {
       const uint32_t pa[4] = {pack_bf16x2(s[2 * np][0], s[2 * np][1]), pack_bf16x2(s[2 * np][2], s[2 * np][3]),
                               pack_bf16x2(s[2 * np + 1][0], s[2 * np + 1][1]),
                               pack_bf16x2(s[2 * np + 1][2], s[2 * np + 1][3])};
-      const int key = np * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+      const int key = key_base + np * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
 #pragma unroll
       for (int dn = 0; dn < 16; dn += 2) {
         uint32_t b00, b01, b10, b11;
