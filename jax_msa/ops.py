@@ -9,6 +9,8 @@ The ops are forward-only: differentiating them raises a clear error.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -110,13 +112,13 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
     else:
         _validation.check_plan(plan, cfg)
 
-    def kernel(q, kv_cache, topk, cu, sl, bt, scales, plan):
+    def kernel(q, kv_cache, topk, cu, sl, bt, scales, plan, *, partial_dtype):
         return _ffi.prefill_call(q, kv_cache, scales, cu, sl, bt, plan, softmax_scale=softmax_scale,
-                                 kv_format=int(cfg.kv_format))
+                                 kv_format=int(cfg.kv_format), partial_dtype=partial_dtype)
 
-    kernels = {"cpu": kernel}
+    kernels = {"cpu": functools.partial(kernel, partial_dtype=jnp.float32)}
     if _cuda_prefill_supported(cfg, plan):
-        kernels["cuda"] = kernel
+        kernels["cuda"] = functools.partial(kernel, partial_dtype=jnp.bfloat16)
     out, lse = _dispatch("sparse_attention", impl, kernels, ref, q, kv_cache, topk, cu_seqlens_q, seq_lens,
                          block_table, scales, plan)
     return (out, lse) if return_lse else out

@@ -32,7 +32,9 @@ struct PrefillParams {
   // ---- outputs
   uint16_t* out;                    // [T, Hq, D] bf16 bits
   float* lse;                       // [T, Hq] natural log; -inf for empty selections
-  float* partial_o;                 // [T, Hkv, K, G, D] fp32 workspace: normalized partial outputs
+  void* partial_o;                  // [T, Hkv, K, G, D] normalized partial outputs: fp32 (CPU handler) or
+                                    // bf16 bits (CUDA handler), partial_o_bf16 says which
+  bool partial_o_bf16;
   float* partial_lse;               // [T, Hkv, K, G]   fp32 workspace
   // ---- sizes
   int total_q, num_q_heads, num_kv_heads, head_dim, topk;

@@ -15,6 +15,7 @@ void prefill(const PrefillParams& p) {
   const int D = p.head_dim, Hkv = p.num_kv_heads, G = p.num_q_heads / p.num_kv_heads;
   const KvPageReader reader{p.kv_cache, p.kv_format, Hkv, D};
   const float q_scale = p.scales[kQScale], k_scale = p.scales[kKScale], v_scale = p.scales[kVScale];
+  float* partial_o = static_cast<float*>(p.partial_o);  // fp32 here (the FFI handler checks)
 
   parallel_for(plan.work_count(), 4, [&](int64_t w) {
     const WorkItem it = plan.item(int(w));
@@ -35,7 +36,7 @@ void prefill(const PrefillParams& p) {
       for (int h = 0; h < G; ++h) {
         load_query(p.q, p.q_is_fp8, q_scale, int64_t(t) * p.num_q_heads + it.head * G + h, D, qh.data());
         p.partial_lse[slot + h] =
-            attend_block(qh.data(), kv, visible, D, p.softmax_scale, &p.partial_o[(slot + h) * D], scores.data());
+            attend_block(qh.data(), kv, visible, D, p.softmax_scale, &partial_o[(slot + h) * D], scores.data());
       }
     }
   });
@@ -47,7 +48,7 @@ void prefill(const PrefillParams& p) {
         LseMerger merge(D);
         for (int r = 0; r < count; ++r) {
           const int64_t slot = plan.partial_index(int(t), g, r, Hkv) * G + h;
-          merge.add(&p.partial_o[slot * D], p.partial_lse[slot], D);
+          merge.add(&partial_o[slot * D], p.partial_lse[slot], D);
         }
         const int64_t row = t * p.num_q_heads + g * G + h;
         p.lse[row] = merge.finish(&p.out[row * D], D);

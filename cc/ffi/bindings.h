@@ -62,7 +62,8 @@ ffi::Error bind_q_and_cache(P& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer&
 // ---- prefill ------------------------------------------------------------------------------------------
 // args: q, kv_cache, scales[3], cu_seqlens_q[B+1], seq_lens[B], block_table[B,MB],
 //       row_ptr, edge_query, edge_rank, query_edge_count, work, num_work
-// rets: out[T,Hq,D] bf16, lse[T,Hq] f32, partial_o[T,Hkv,K,G,D] f32, partial_lse[T,Hkv,K,G] f32
+// rets: out[T,Hq,D] bf16, lse[T,Hq] f32, partial_o[T,Hkv,K,G,D] f32 or bf16 (the handler says which),
+//       partial_lse[T,Hkv,K,G] f32
 // attrs: softmax_scale (f32), kv_format (i32)
 template <typename B>
 auto prefill_signature(B b) {
@@ -80,7 +81,7 @@ auto prefill_signature(B b) {
       .template Arg<I32Buffer>()
       .template Ret<ffi::Buffer<ffi::BF16>>()
       .template Ret<F32Buffer>()
-      .template Ret<F32Buffer>()
+      .template Ret<ffi::AnyBuffer>()
       .template Ret<F32Buffer>()
       .template Attr<float>("softmax_scale")
       .template Attr<int32_t>("kv_format");
@@ -90,7 +91,7 @@ inline ffi::Error make_prefill_params(
     PrefillParams& p, ffi::AnyBuffer q, ffi::AnyBuffer cache, F32Buffer scales, I32Buffer cu_seqlens_q,
     I32Buffer seq_lens, I32Buffer block_table, I32Buffer row_ptr, I32Buffer edge_query, I32Buffer edge_rank,
     I32Buffer query_edge_count, I32Buffer work, I32Buffer num_work, ffi::ResultBuffer<ffi::BF16> out,
-    ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
+    ffi::ResultBuffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
     float softmax_scale, int32_t kv_format) {
   p = PrefillParams{};
   if (auto e = bind_q_and_cache(p, q, cache, kv_format); e.failure()) return e;
@@ -113,6 +114,8 @@ inline ffi::Error make_prefill_params(
   const int64_t partials = int64_t(p.total_q) * p.num_kv_heads * p.topk * G;
   if (partial_lse->element_count() != partials || partial_o->element_count() != partials * p.head_dim)
     return invalid("prefill partial workspaces must be [T, Hkv, K, G(, D)]");
+  if (partial_o->element_type() != ffi::DataType::F32 && partial_o->element_type() != ffi::DataType::BF16)
+    return invalid("prefill partial_o must be float32 or bfloat16");
   if (out->element_count() != int64_t(p.total_q) * p.num_q_heads * p.head_dim ||
       lse->element_count() != int64_t(p.total_q) * p.num_q_heads)
     return invalid("out / lse must be [T, Hq, D] / [T, Hq]");
@@ -129,7 +132,8 @@ inline ffi::Error make_prefill_params(
   p.num_work = num_work.typed_data();
   p.out = out->typed_data();
   p.lse = lse->typed_data();
-  p.partial_o = partial_o->typed_data();
+  p.partial_o = partial_o->untyped_data();
+  p.partial_o_bf16 = partial_o->element_type() == ffi::DataType::BF16;
   p.partial_lse = partial_lse->typed_data();
   p.softmax_scale = softmax_scale;
   return ffi::Error::Success();

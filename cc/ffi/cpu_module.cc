@@ -15,7 +15,7 @@ ffi::Error prefill_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffe
                             fb::I32Buffer seq_lens, fb::I32Buffer block_table, fb::I32Buffer row_ptr,
                             fb::I32Buffer edge_query, fb::I32Buffer edge_rank, fb::I32Buffer query_edge_count,
                             fb::I32Buffer work, fb::I32Buffer num_work, ffi::ResultBuffer<ffi::BF16> out,
-                            ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> partial_o,
+                            ffi::ResultBuffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> partial_o,
                             ffi::ResultBuffer<ffi::F32> partial_lse, float softmax_scale, int32_t kv_format) {
   jax_msa::PrefillParams p;
   if (auto e = fb::make_prefill_params(p, q, cache, scales, cu_seqlens_q, seq_lens, block_table, row_ptr, edge_query,
@@ -23,6 +23,7 @@ ffi::Error prefill_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffe
                                        partial_lse, softmax_scale, kv_format);
       e.failure())
     return e;
+  if (p.total_q > 0 && p.partial_o_bf16) return fb::invalid("the CPU prefill handler takes float32 partial_o");
   jax_msa::cpu::prefill(p);
   return ffi::Error::Success();
 }

@@ -21,7 +21,7 @@ ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
                              fb::I32Buffer row_ptr, fb::I32Buffer edge_query, fb::I32Buffer edge_rank,
                              fb::I32Buffer query_edge_count, fb::I32Buffer work, fb::I32Buffer num_work,
                              ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> lse,
-                             ffi::ResultBuffer<ffi::F32> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
+                             ffi::Result<ffi::AnyBuffer> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
                              float softmax_scale, int32_t kv_format) {
   jax_msa::PrefillParams p;
   if (auto e = fb::make_prefill_params(p, q, cache, scales, cu_seqlens_q, seq_lens, block_table, row_ptr, edge_query,
@@ -29,6 +29,7 @@ ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
                                        partial_lse, softmax_scale, kv_format);
       e.failure())
     return e;
+  if (p.total_q > 0 && !p.partial_o_bf16) return fb::invalid("the CUDA prefill handler takes bf16 partial_o");
   const char* why = nullptr;
   if (!jax_msa::sm90::prefill::sm90_prefill_supports(p, &why))
     return fb::invalid(std::string("the CUDA prefill kernel does not serve this call: ") + why);

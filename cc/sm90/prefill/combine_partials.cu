@@ -38,11 +38,12 @@ __global__ void __launch_bounds__(128) combine_partials_kernel(const PrefillPara
 #pragma unroll 4
       for (int j = 0; j < n; ++j) {
         const float wj = __shfl_sync(0xffffffffu, w, j);
-        const float4 o = reinterpret_cast<const float4*>(p.partial_o + (first + int64_t(c0 + j) * group) * kHeadDim)[lane];
-        acc.x += wj * o.x;
-        acc.y += wj * o.y;
-        acc.z += wj * o.z;
-        acc.w += wj * o.w;
+        const uint2 raw = reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p.partial_o) +
+                                                         (first + int64_t(c0 + j) * group) * kHeadDim)[lane];
+        acc.x += wj * __uint_as_float(raw.x << 16);  // bf16 -> fp32 is a shift
+        acc.y += wj * __uint_as_float(raw.x & 0xffff0000u);
+        acc.z += wj * __uint_as_float(raw.y << 16);
+        acc.w += wj * __uint_as_float(raw.y & 0xffff0000u);
       }
     }
 #pragma unroll

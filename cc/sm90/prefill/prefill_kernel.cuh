@@ -230,10 +230,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) sparse_prefill_kernel(co
     const int64_t slot = plan.partial_index(s_query[qi], g, s_rank[qi], num_kv) * group + head_in_group;
     const bool empty = !(l_run[r] > 0.0f);
     const float inv = empty ? 0.0f : v_scale / l_run[r];
-    float* dst = p.partial_o + slot * kHeadDim + c2;
+    uint16_t* dst = static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim + c2;  // bf16 partials
 #pragma unroll
     for (int i = 0; i < 16; ++i)
-      *reinterpret_cast<float2*>(dst + i * 8) = make_float2(acc[i][2 * r] * inv, acc[i][2 * r + 1] * inv);
+      *reinterpret_cast<uint32_t*>(dst + i * 8) = pack_bf16x2(acc[i][2 * r] * inv, acc[i][2 * r + 1] * inv);
     if ((lane & 3) == 0) p.partial_lse[slot] = empty ? -INFINITY : (m_run[r] + log2f(l_run[r])) * kLn2;
   }
 }
