@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Developer build: compiles the extension modules with CMake and copies them into jax_msa/, so that
 # `PYTHONPATH=$PWD python -m pytest` runs against the source tree. Incremental.
-#   PYTHON=/path/to/python  JAX_MSA_CUDA=AUTO|ON|OFF  JAX_MSA_CUDA_ARCHS=90a-real  BUILD_DIR=build/inplace
+#   PYTHON=/path/to/python  JAX_MSA_CUDA=AUTO|ON|OFF  JAX_MSA_CUDA_ARCHS=90a-real (faster than the default list)  BUILD_DIR=build/inplace
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -66,7 +66,7 @@ stage_build() {
     echo "build: installing ${WHEELS[*]} into ${SITE}"
     "${PY}" -m pip install -q --no-deps --no-index --upgrade --target "${SITE}" "${WHEELS[@]}"
   else
-    echo "build: in-tree, JAX_MSA_CUDA=ON JAX_MSA_CUDA_ARCHS=${JAX_MSA_CUDA_ARCHS:-90a-real (default)}"
+    echo "build: in-tree, JAX_MSA_CUDA=ON JAX_MSA_CUDA_ARCHS=${JAX_MSA_CUDA_ARCHS:-the default list, sm_80 to sm_120}"
     JOBS=16 JAX_MSA_CUDA=ON PYTHON="${PY}" .ci/build_inplace.sh
   fi
 }

@@ -92,7 +92,7 @@ def cuda_available() -> bool:
 
 # CUDA handlers that are built and registered but not yet verified on a GPU: dispatch uses them only when
 # their environment variable is "1" (their GPU tests set it). Empty today: every registered handler has
-# passed its GPU tests on the H200 (the SM90 prefill kernel left this table on 2026-12-02).
+# passed its GPU tests on the H200 (the prefill kernel left this table on 2026-12-02).
 UNVERIFIED_CUDA_TARGETS: dict[str, str] = {}
 
 
@@ -110,6 +110,16 @@ def cuda_archs() -> tuple[str, ...]:
     if _cuda_module is None:
         return ()
     return tuple(_cuda_module.compiled_archs())
+
+
+def kernel_path(major: int, minor: int, *, sm100_enabled: bool = False) -> str:
+    """The attention kernels the CUDA handlers select on a device of compute capability major.minor (the table of
+    cc/cuda/kernel_path.h): "warp_mma" (cc/sm80, sm_80 and up, the kernels verified on the H200), "sm100" (tcgen05
+    kernels, when built and JAX_MSA_ENABLE_SM100_KERNELS=1; none are built yet) or "unsupported" (< 8.0: the
+    handler raises, impl="reference" still works). Needs the CUDA module (a GPU does not)."""
+    if _cuda_module is None:
+        raise RuntimeError("jax_msa was built without the CUDA handlers")
+    return _cuda_module.select_kernel_path(int(major), int(minor), bool(sm100_enabled))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,13 +26,13 @@ _IMPLS = ("auto", "kernel", "reference")
 # ---------------------------------------------------------------------------------------------------------
 
 def _cuda_decode_supported(cfg, q_len: int) -> bool:
-    # cc/sm90/decode: D = 128, the GQA group zero-padded into 16 MMA rows, a top-k row compacted by one warp.
+    # cc/sm80/decode: D = 128, the GQA group zero-padded into 16 MMA rows, a top-k row compacted by one warp.
     return (_ffi.TARGET_DECODE in _ffi.cuda_targets() and cfg.head_dim == 128 and 16 % cfg.group_size == 0
             and 1 <= cfg.topk <= 32 and cfg.batch * q_len <= 65535)
 
 
 def _cuda_prefill_supported(cfg, plan) -> bool:
-    # cc/sm90/prefill: D = 128, a plan tile of at most 128 MMA rows (queries_per_tile * G <= 128).
+    # cc/sm80/prefill: D = 128, a plan tile of at most 128 MMA rows (queries_per_tile * G <= 128).
     return (_ffi.TARGET_PREFILL in _ffi.cuda_targets() and cfg.head_dim == 128 and cfg.group_size <= 128
             and plan.queries_per_tile * cfg.group_size <= 128)
 
@@ -125,7 +125,7 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
 
 
 H200_SMS = 132
-DECODE_CTAS_PER_SM = 2  # cc/sm90/decode: 128 threads, <= 96 KB shared memory per CTA
+DECODE_CTAS_PER_SM = 2  # cc/sm80/decode: 128 threads, <= 96 KB shared memory per CTA
 
 
 def decode_num_splits(cfg, q_len: int) -> int:

@@ -1,4 +1,4 @@
-"""SM90 decode kernel vs the fp32 reference on the GPU (run on the H200: `.ci/gpu_run.sh test`).
+"""Decode kernel (cc/sm80, warp-MMA) vs the fp32 reference on the GPU (run on the H200: `.ci/gpu_run.sh test`).
 
 Every format x GQA 8/16 x q_len 1/4 x batch 1/7/64 with contexts off the 128 grid, plus corner cases.
 Outputs are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1), so an unwritten element shows.

@@ -1,4 +1,4 @@
-"""SM90 prefill kernel vs the float64 oracle on the GPU (run on the H200: `.ci/gpu_run.sh test`).
+"""Prefill kernel (cc/sm80, warp-MMA) vs the float64 oracle on the GPU (run on the H200: `.ci/gpu_run.sh test`).
 
 Outputs and partials are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1, set here).
 Bound: the kernel's error against the float64 oracle is at most 2x the error of a bf16 jnp implementation

@@ -1,6 +1,6 @@
 // Flat parameter structs of the three custom calls. Every pointer names its shape and dtype; sizes are
 // plain ints. Filled once per call by cc/ffi/bindings.h from the XLA FFI buffers; read by the CPU
-// handlers (cc/cpu) and the CUDA kernels (cc/cuda, cc/sm90) alike.
+// handlers (cc/cpu) and the CUDA kernels (cc/cuda, cc/sm80) alike.
 //
 // Notation: T = total_q, Hq = query heads, Hkv = KV heads, G = Hq / Hkv, D = head_dim, K = top-k,
 // B = requests, MB = max_blocks (block_table width), P = pages, R = B * MB (plan rows).

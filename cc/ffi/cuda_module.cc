@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/kv_format.h"
+#include "cuda/kernel_path.h"
 #include "cuda/write_kv.h"
 #include "ffi/bindings.h"
 #include "ffi/cuda_handlers.h"
@@ -75,5 +76,14 @@ NB_MODULE(_jax_msa_cuda, m) {
     return d;
   });
   m.def("compiled_archs", &compiled_archs, "CUDA architectures compiled into this module, e.g. ['90a'].");
+  m.def(
+      "select_kernel_path",
+      [](int major, int minor, bool sm100_enabled) {
+        return std::string(jax_msa::cuda::kernel_path_name(jax_msa::cuda::select_kernel_path(
+            major, minor, jax_msa::cuda::kSm100KernelsBuilt, sm100_enabled)));
+      },
+      nanobind::arg("major"), nanobind::arg("minor"), nanobind::arg("sm100_enabled"),
+      "The attention kernels the CUDA handlers pick for a device of this compute capability (cuda/kernel_path.h): "
+      "'warp_mma', 'sm100' or 'unsupported'.");
   jax_msa::ffi_bind::add_version_info(m);
 }

@@ -1,5 +1,5 @@
 // XLA FFI handler of jax_msa_decode for platform CUDA: binds the buffers into DecodeParams and launches
-// the SM90 kernel on XLA's stream. No host sync, no allocation (the split-K partials arrive as extra
+// the warp-MMA decode kernel (cc/sm80) on XLA's stream. No host sync, no allocation (the split-K partials arrive as extra
 // results), so it is safe inside XLA command buffers.
 #include <cuda_runtime.h>
 
@@ -9,7 +9,8 @@
 #include "ffi/bindings.h"
 #include "ffi/cuda_handlers.h"
 #include "ffi/debug_poison.h"
-#include "sm90/decode/decode.h"
+#include "ffi/kernel_path_check.h"
+#include "sm80/decode/decode.h"
 
 namespace ffi = xla::ffi;
 namespace fb = jax_msa::ffi_bind;
@@ -26,15 +27,17 @@ ffi::Error decode_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                                       partial_lse, softmax_scale, kv_format, decode_query_len);
       e.failure())
     return e;
+  jax_msa::cuda::KernelPath path;  // kWarpMma: the only family built today (kernel_path.h)
+  if (auto e = fb::select_attention_kernels("decode", &path); e.failure()) return e;
   const char* why = nullptr;
-  if (!jax_msa::sm90::decode::sm90_decode_supports(p, &why))
+  if (!jax_msa::sm80::decode::decode_supports(p, &why))
     return fb::invalid(std::string("the CUDA decode kernel does not serve this call: ") + why);
   for (auto [ptr, bytes] : {std::pair<void*, size_t>{p.out, out->size_bytes()}, {p.lse, lse->size_bytes()},
                             {p.partial_o, partial_o->size_bytes()}, {p.partial_lse, partial_lse->size_bytes()}})
     if (cudaError_t e = fb::poison(ptr, bytes, stream); e != cudaSuccess)
       return ffi::Error::Internal(std::string("jax_msa decode poison failed: ") + cudaGetErrorString(e));
-  if (cudaError_t e = jax_msa::sm90::decode::sm90_sparse_decode(p, stream); e != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_msa decode launch failed: ") + cudaGetErrorString(e));
+  if (cudaError_t e = jax_msa::sm80::decode::sparse_decode(p, stream); e != cudaSuccess)
+    return fb::launch_failure("decode", e);
   return ffi::Error::Success();
 }
 

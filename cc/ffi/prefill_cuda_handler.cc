@@ -1,5 +1,5 @@
 // XLA FFI handler of jax_msa_prefill for platform CUDA: binds the buffers (plan included) into PrefillParams
-// and launches the SM90 prefill and combine kernels on XLA's stream. No host sync, no allocation (the partials
+// and launches the warp-MMA prefill and combine kernels (cc/sm80) on XLA's stream. No host sync, no allocation (the partials
 // arrive as extra results), so it is safe inside XLA command buffers.
 #include <cuda_runtime.h>
 
@@ -9,7 +9,8 @@
 #include "ffi/bindings.h"
 #include "ffi/cuda_handlers.h"
 #include "ffi/debug_poison.h"
-#include "sm90/prefill/prefill.h"
+#include "ffi/kernel_path_check.h"
+#include "sm80/prefill/prefill.h"
 
 namespace ffi = xla::ffi;
 namespace fb = jax_msa::ffi_bind;
@@ -30,15 +31,17 @@ ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
       e.failure())
     return e;
   if (p.total_q > 0 && !p.partial_o_bf16) return fb::invalid("the CUDA prefill handler takes bf16 partial_o");
+  jax_msa::cuda::KernelPath path;  // kWarpMma: the only family built today (kernel_path.h)
+  if (auto e = fb::select_attention_kernels("prefill", &path); e.failure()) return e;
   const char* why = nullptr;
-  if (!jax_msa::sm90::prefill::sm90_prefill_supports(p, &why))
+  if (!jax_msa::sm80::prefill::prefill_supports(p, &why))
     return fb::invalid(std::string("the CUDA prefill kernel does not serve this call: ") + why);
   for (auto [ptr, bytes] : {std::pair<void*, size_t>{p.out, out->size_bytes()}, {p.lse, lse->size_bytes()},
                             {p.partial_o, partial_o->size_bytes()}, {p.partial_lse, partial_lse->size_bytes()}})
     if (cudaError_t e = fb::poison(ptr, bytes, stream); e != cudaSuccess)
       return ffi::Error::Internal(std::string("jax_msa prefill poison failed: ") + cudaGetErrorString(e));
-  if (cudaError_t e = jax_msa::sm90::prefill::sm90_sparse_prefill(p, stream); e != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_msa prefill launch failed: ") + cudaGetErrorString(e));
+  if (cudaError_t e = jax_msa::sm80::prefill::sparse_prefill(p, stream); e != cudaSuccess)
+    return fb::launch_failure("prefill", e);
   return ffi::Error::Success();
 }
 

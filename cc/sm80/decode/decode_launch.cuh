@@ -2,10 +2,10 @@
 #pragma once
 #include <atomic>
 
-#include "sm90/decode/decode.h"
-#include "sm90/decode/decode_kernel.cuh"
+#include "sm80/decode/decode.h"
+#include "sm80/decode/decode_kernel.cuh"
 
-namespace jax_msa::sm90::decode {
+namespace jax_msa::sm80::decode {
 
 // Raises the kernel's dynamic shared-memory limit once per device (a host-side attribute, not a stream
 // operation, so it is safe while XLA captures a command buffer). One flag set per format: the three
@@ -35,4 +35,4 @@ cudaError_t launch_sparse_decode(const DecodeParams& p, cudaStream_t stream) {
   return splits > 1 ? launch_combine_splits(p, stream) : cudaSuccess;
 }
 
-}  // namespace jax_msa::sm90::decode
+}  // namespace jax_msa::sm80::decode

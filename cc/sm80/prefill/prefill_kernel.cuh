@@ -1,4 +1,4 @@
-// SM90 sparse prefill kernel: one plan work item a CTA, two CTAs an SM (see config.h). Writes one normalized partial and its
+// Warp-MMA (sm_80+) sparse prefill kernel: one plan work item a CTA, two CTAs an SM (see config.h). Writes one normalized partial and its
 // lse per (query, selected block); combine_partials.cu merges them. Reads the plan only through PlanView.
 #pragma once
 #include <cuda_bf16.h>
@@ -6,13 +6,13 @@
 #include <cute/arch/copy_sm80.hpp>
 
 #include "common/params.h"
-#include "sm90/common/warp_mma.cuh"
+#include "sm80/common/warp_mma.cuh"
 #include "common/plan_view.h"
-#include "sm90/common/bf16_pack.cuh"
-#include "sm90/decode/chunk_io.cuh"
-#include "sm90/prefill/config.h"
+#include "sm80/common/bf16_pack.cuh"
+#include "sm80/decode/chunk_io.cuh"
+#include "sm80/prefill/config.h"
 
-namespace jax_msa::sm90::prefill {
+namespace jax_msa::sm80::prefill {
 
 using decode::ChunkIO;
 using decode::ChunkRef;
@@ -238,4 +238,4 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) sparse_prefill_kernel(co
   }
 }
 
-}  // namespace jax_msa::sm90::prefill
+}  // namespace jax_msa::sm80::prefill

@@ -2,10 +2,10 @@
 #pragma once
 #include <atomic>
 
-#include "sm90/prefill/prefill.h"
-#include "sm90/prefill/prefill_kernel.cuh"
+#include "sm80/prefill/prefill.h"
+#include "sm80/prefill/prefill_kernel.cuh"
 
-namespace jax_msa::sm90::prefill {
+namespace jax_msa::sm80::prefill {
 
 template <KvFormat F>
 cudaError_t launch_sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
@@ -26,4 +26,4 @@ cudaError_t launch_sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace jax_msa::sm90::prefill
+}  // namespace jax_msa::sm80::prefill

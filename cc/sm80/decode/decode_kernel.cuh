@@ -1,4 +1,4 @@
-// SM90 sparse decode kernel (split-K over the selected blocks); the split combine is combine_splits.cu.
+// Warp-MMA (sm_80+) sparse decode kernel (split-K over the selected blocks); the split combine is combine_splits.cu.
 // Layout and roles: see config.h. Semantics: MSA.md section 2 (holes, ids out of range, blocks beyond the
 // causal position and invalid pages are skipped before any read; duplicates count once).
 #pragma once
@@ -7,11 +7,11 @@
 #include <cute/arch/copy_sm80.hpp>
 
 #include "common/params.h"
-#include "sm90/common/warp_mma.cuh"
-#include "sm90/decode/chunk_io.cuh"
-#include "sm90/decode/config.h"
+#include "sm80/common/warp_mma.cuh"
+#include "sm80/decode/chunk_io.cuh"
+#include "sm80/decode/config.h"
 
-namespace jax_msa::sm90::decode {
+namespace jax_msa::sm80::decode {
 
 // Two consecutive query elements (row, d..d+1) as bf16x2; rows past the group are zero.
 __device__ __forceinline__ uint32_t load_q_pair(const DecodeParams& p, int64_t row_base, int row, int group, int d) {
@@ -266,4 +266,4 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
   }
 }
 
-}  // namespace jax_msa::sm90::decode
+}  // namespace jax_msa::sm80::decode

@@ -1,13 +1,13 @@
-// SM90 prefill: log-sum-exp merge of each query's per-block partials (the plan's query_edge_count of them)
+// Warp-MMA (sm_80+) prefill: log-sum-exp merge of each query's per-block partials (the plan's query_edge_count of them)
 // into the bf16 output and the lse. One warp a (token, query head) row, 4 dims a lane. Empty rows: 0, -inf.
 #include <cuda_runtime.h>
 
 #include "common/plan_view.h"
-#include "sm90/common/bf16_pack.cuh"
-#include "sm90/prefill/config.h"
-#include "sm90/prefill/prefill.h"
+#include "sm80/common/bf16_pack.cuh"
+#include "sm80/prefill/config.h"
+#include "sm80/prefill/prefill.h"
 
-namespace jax_msa::sm90::prefill {
+namespace jax_msa::sm80::prefill {
 
 namespace {
 
@@ -64,4 +64,4 @@ cudaError_t launch_combine_partials(const PrefillParams& p, cudaStream_t stream)
   return cudaGetLastError();
 }
 
-}  // namespace jax_msa::sm90::prefill
+}  // namespace jax_msa::sm80::prefill

@@ -1,4 +1,4 @@
-// SM90 sparse decode: traits (tiles, pipeline depth, shared-memory plan) per KV-cache format.
+// Warp-MMA (sm_80+) sparse decode: traits (tiles, pipeline depth, shared-memory plan) per KV-cache format.
 //
 // Work unit (one CTA): query token t, KV head g, split s of t's valid selected blocks.
 //   MMA rows  : the G <= 16 query heads of (t, g), zero padded to 16 (mma.sync m16n8k16, bf16 -> fp32)
@@ -13,7 +13,7 @@
 
 #include "common/kv_format.h"
 
-namespace jax_msa::sm90::decode {
+namespace jax_msa::sm80::decode {
 
 constexpr int kHeadDim = 128;
 constexpr int kRows = 16;           // MMA M: query heads of one token
@@ -67,6 +67,9 @@ struct SharedPlan {
   // The epilogue reuses the stage area for the warps' fp32 partial outputs.
   static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
   static_assert(kScratchOffset + kScratchBytes >= kMergeBytes, "merge area must fit in the reused stages");
+  // <= 96 KB dynamic + a few KB of static arrays: within the 99 KB per-block limit of sm_86 / sm_89 / sm_120,
+  // so the same kernels launch on every sm_80+ GPU.
+  static_assert(kBytes <= 96 * 1024, "fits every sm_80+ GPU");
 };
 
-}  // namespace jax_msa::sm90::decode
+}  // namespace jax_msa::sm80::decode

@@ -1,4 +1,4 @@
-// SM90 sparse prefill (KV-block-major over the jnp plan): traits and shared-memory plan.
+// Warp-MMA (sm_80+) sparse prefill (KV-block-major over the jnp plan): traits and shared-memory plan.
 //
 // Work unit (one CTA): one work item of the plan = (KV head g, request b, block blk, <= 128 / G query tokens
 // that selected the block). The block's K and V (128 keys) are loaded once, by all 8 warps (warp w loads
@@ -14,9 +14,9 @@
 //              combine kernel merges each query's partials by log-sum-exp
 #pragma once
 #include "common/kv_format.h"
-#include "sm90/decode/config.h"
+#include "sm80/decode/config.h"
 
-namespace jax_msa::sm90::prefill {
+namespace jax_msa::sm80::prefill {
 
 using decode::FormatTraits;
 using decode::kBf16TileBytes;
@@ -46,6 +46,9 @@ struct SharedPlan {
   static constexpr int kBytes = kQueryOffset + kQueryBytes;
   static_assert(!T::kNeedsDequant || 2 * T::kStageBytes <= kQueryBytes, "raw block fits the query region");
   static_assert(kCtasPerSm * kBytes <= 227 * 1024 - kCtasPerSm * 4096, "two CTAs an SM");
+  // <= 96 KB dynamic + a few KB of static arrays: within the 99 KB per-block limit of sm_86 / sm_89 / sm_120,
+  // so the same kernels launch on every sm_80+ GPU.
+  static_assert(kBytes <= 96 * 1024, "fits every sm_80+ GPU");
 };
 
-}  // namespace jax_msa::sm90::prefill
+}  // namespace jax_msa::sm80::prefill

@@ -4,11 +4,11 @@
 
 #include <cstdint>
 
-namespace jax_msa::sm90 {
+namespace jax_msa::sm80 {
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-}  // namespace jax_msa::sm90
+}  // namespace jax_msa::sm80

@@ -1,10 +1,10 @@
-// SM90 sparse decode: shape checks and the per-format dispatch.
-#include "sm90/decode/config.h"
-#include "sm90/decode/decode.h"
+// Warp-MMA (sm_80+) sparse decode: shape checks and the per-format dispatch.
+#include "sm80/decode/config.h"
+#include "sm80/decode/decode.h"
 
-namespace jax_msa::sm90::decode {
+namespace jax_msa::sm80::decode {
 
-bool sm90_decode_supports(const DecodeParams& p, const char** why) {
+bool decode_supports(const DecodeParams& p, const char** why) {
   const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
   const char* reason = nullptr;
   if (p.head_dim != kHeadDim) reason = "head_dim must be 128";
@@ -16,7 +16,7 @@ bool sm90_decode_supports(const DecodeParams& p, const char** why) {
   return reason == nullptr;
 }
 
-cudaError_t sm90_sparse_decode(const DecodeParams& p, cudaStream_t stream) {
+cudaError_t sparse_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.q_len == 0) return cudaSuccess;
   switch (p.kv_format) {
     case KvFormat::kBf16: return launch_sparse_decode<KvFormat::kBf16>(p, stream);
@@ -26,4 +26,4 @@ cudaError_t sm90_sparse_decode(const DecodeParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
-}  // namespace jax_msa::sm90::decode
+}  // namespace jax_msa::sm80::decode

@@ -1,10 +1,10 @@
-// SM90 sparse prefill: shape checks, per-format dispatch, then the combine.
-#include "sm90/prefill/config.h"
-#include "sm90/prefill/prefill.h"
+// Warp-MMA (sm_80+) sparse prefill: shape checks, per-format dispatch, then the combine.
+#include "sm80/prefill/config.h"
+#include "sm80/prefill/prefill.h"
 
-namespace jax_msa::sm90::prefill {
+namespace jax_msa::sm80::prefill {
 
-bool sm90_prefill_supports(const PrefillParams& p, const char** why) {
+bool prefill_supports(const PrefillParams& p, const char** why) {
   const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
   const char* reason = nullptr;
   if (p.head_dim != kHeadDim) reason = "head_dim must be 128";
@@ -14,7 +14,7 @@ bool sm90_prefill_supports(const PrefillParams& p, const char** why) {
   return reason == nullptr;
 }
 
-cudaError_t sm90_sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
+cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
   if (p.total_q == 0) return cudaSuccess;
   cudaError_t e = cudaErrorInvalidValue;
   switch (p.kv_format) {
@@ -26,4 +26,4 @@ cudaError_t sm90_sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
   return launch_combine_partials(p, stream);
 }
 
-}  // namespace jax_msa::sm90::prefill
+}  // namespace jax_msa::sm80::prefill

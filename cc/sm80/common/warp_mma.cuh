@@ -1,4 +1,4 @@
-// Warp-level MMA building blocks shared by the SM90 decode and prefill kernels: ldmatrix (plain and
+// Warp-level MMA building blocks shared by the warp-MMA (sm_80+) decode and prefill kernels: ldmatrix (plain and
 // transposed) from shared memory and the bf16 m16n8k16 MMA with fp32 accumulation (CuTe's SM75/SM80 atoms),
 // and the log2 / ln constants of their online softmax.
 #pragma once
@@ -7,7 +7,7 @@
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/mma_sm80.hpp>
 
-namespace jax_msa::sm90 {
+namespace jax_msa::sm80 {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -24,4 +24,4 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
                                             d[3]);
 }
 
-}  // namespace jax_msa::sm90
+}  // namespace jax_msa::sm80

@@ -1,12 +1,12 @@
-// SM90 decode: log-sum-exp merge of the split-K partials (launched after the decode kernel when
+// Warp-MMA (sm_80+) decode: log-sum-exp merge of the split-K partials (launched after the decode kernel when
 // num_splits > 1).
 #include <cuda_bf16.h>
 
-#include "sm90/common/bf16_pack.cuh"
-#include "sm90/decode/config.h"
-#include "sm90/decode/decode.h"
+#include "sm80/common/bf16_pack.cuh"
+#include "sm80/decode/config.h"
+#include "sm80/decode/decode.h"
 
-namespace jax_msa::sm90::decode {
+namespace jax_msa::sm80::decode {
 
 namespace {
 
@@ -47,4 +47,4 @@ cudaError_t launch_combine_splits(const DecodeParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace jax_msa::sm90::decode
+}  // namespace jax_msa::sm80::decode

@@ -1,4 +1,4 @@
-// SM90 decode: moving one 64-key chunk of K and V from the paged cache into shared memory (cp.async,
+// Warp-MMA (sm_80+) decode: moving one 64-key chunk of K and V from the paged cache into shared memory (cp.async,
 // zero-filled past the visible keys) and, for FP8 / NVFP4, dequantizing it into the swizzled bf16 tile
 // that the MMA warps read with ldmatrix. Scales: FP8 values are the raw e4m3 numbers (the per-layer
 // k_scale / v_scale are folded into the softmax scale and the output); NVFP4 values are e2m1 x e4m3
@@ -12,10 +12,10 @@
 
 #include "common/kv_format.h"
 #include "common/numeric.h"
-#include "sm90/common/bf16_pack.cuh"
-#include "sm90/decode/config.h"
+#include "sm80/common/bf16_pack.cuh"
+#include "sm80/decode/config.h"
 
-namespace jax_msa::sm90::decode {
+namespace jax_msa::sm80::decode {
 
 // Byte offset of 16-byte unit `unit` (0..15) of row `key` in a swizzled [64][128] bf16 tile: the unit
 // index is XORed with key % 8 so that ldmatrix's 8 row addresses hit 8 different bank groups.
@@ -185,4 +185,4 @@ struct ChunkIO<KvFormat::kNvfp4> {
   }
 };
 
-}  // namespace jax_msa::sm90::decode
+}  // namespace jax_msa::sm80::decode

@@ -1,0 +1,37 @@
+// Which family of attention kernels serves the current device: the runtime dispatch table of the CUDA handlers.
+//
+//   compute capability        kernels
+//   < 8.0                     none: the handler returns a clear error (mma.sync bf16 and cp.async need sm_80)
+//   10.0 / 10.3 (Blackwell)   tcgen05 kernels when built and JAX_MSA_ENABLE_SM100_KERNELS=1 (none are built yet),
+//                             otherwise the warp-MMA kernels
+//   any other >= 8.0          the warp-MMA kernels of cc/sm80 (mma.sync m16n8k16 + cp.async + ldmatrix). On sm_90
+//                             (H200) these are the kernels the GPU tests verify and the benchmarks measure.
+//
+// JAX_MSA_FORCE_COMPUTE_CAPABILITY="M.m" makes the handlers see that capability instead of the device's (to exercise
+// the table; the kernels still need SASS for the real device in this build).
+#pragma once
+#include <cuda_runtime.h>
+
+namespace jax_msa::cuda {
+
+enum class KernelPath : int { kUnsupported = 0, kWarpMma = 1, kSm100 = 2 };
+
+// This build holds no tcgen05 (sm_100a) attention kernels yet.
+constexpr bool kSm100KernelsBuilt = false;
+
+constexpr KernelPath select_kernel_path(int major, int minor, bool sm100_kernels_built, bool sm100_enabled) {
+  if (major < 8) return KernelPath::kUnsupported;
+  if (major == 10 && (minor == 0 || minor == 3) && sm100_kernels_built && sm100_enabled) return KernelPath::kSm100;
+  return KernelPath::kWarpMma;
+}
+
+const char* kernel_path_name(KernelPath path);
+
+// JAX_MSA_ENABLE_SM100_KERNELS == "1" (read once).
+bool sm100_kernels_enabled();
+
+// The compute capability the handlers see for the current device (cached per device; the override above wins)
+// and the kernel path it selects. No stream work: safe during command-buffer capture.
+cudaError_t current_kernel_path(KernelPath* path, int* major, int* minor);
+
+}  // namespace jax_msa::cuda

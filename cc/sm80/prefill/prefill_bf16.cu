@@ -1,0 +1,6 @@
+// Warp-MMA (sm_80+) sparse prefill, bf16 KV cache: the one explicit instantiation of this translation unit.
+#include "sm80/prefill/prefill_launch.cuh"
+
+namespace jax_msa::sm80::prefill {
+template cudaError_t launch_sparse_prefill<KvFormat::kBf16>(const PrefillParams&, cudaStream_t);
+}  // namespace jax_msa::sm80::prefill

@@ -1,6 +1,0 @@
-// SM90 sparse decode, fp8 KV cache: the one explicit instantiation of this translation unit.
-#include "sm90/decode/decode_launch.cuh"
-
-namespace jax_msa::sm90::decode {
-template cudaError_t launch_sparse_decode<KvFormat::kFp8>(const DecodeParams&, cudaStream_t);
-}  // namespace jax_msa::sm90::decode

@@ -1,6 +1,0 @@
-// SM90 sparse prefill, bf16 KV cache: the one explicit instantiation of this translation unit.
-#include "sm90/prefill/prefill_launch.cuh"
-
-namespace jax_msa::sm90::prefill {
-template cudaError_t launch_sparse_prefill<KvFormat::kBf16>(const PrefillParams&, cudaStream_t);
-}  // namespace jax_msa::sm90::prefill

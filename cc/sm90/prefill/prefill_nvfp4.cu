@@ -1,6 +1,0 @@
-// SM90 sparse prefill, nvfp4 KV cache: the one explicit instantiation of this translation unit.
-#include "sm90/prefill/prefill_launch.cuh"
-
-namespace jax_msa::sm90::prefill {
-template cudaError_t launch_sparse_prefill<KvFormat::kNvfp4>(const PrefillParams&, cudaStream_t);
-}  // namespace jax_msa::sm90::prefill

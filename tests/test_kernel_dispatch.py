@@ -1,0 +1,41 @@
+"""The CUDA handlers' dispatch table (cc/cuda/kernel_path.h), exercised on any machine by handing it the compute
+capability to decide for, and the architectures compiled into the CUDA module (its SASS)."""
+
+import pytest
+
+import jax_msa
+from fatbin import KIND_SASS, fatbin_entries
+from jax_msa import _ffi
+
+pytestmark = pytest.mark.skipif(not jax_msa.cuda_available(), reason="needs a build with the CUDA handlers")
+
+CASES = [
+    # (major, minor, JAX_MSA_ENABLE_SM100_KERNELS=1?) -> kernels
+    ((7, 5, False), "unsupported"),  # Turing: no cp.async / bf16 mma.sync
+    ((7, 0, False), "unsupported"),
+    ((8, 0, False), "warp_mma"),  # A100
+    ((8, 6, False), "warp_mma"),  # RTX 30xx, A10
+    ((8, 9, False), "warp_mma"),  # L40, RTX 40xx
+    ((9, 0, False), "warp_mma"),  # H100 / H200: the kernels the GPU tests verify
+    ((10, 0, False), "warp_mma"),  # B200 without the opt-in
+    ((10, 0, True), "warp_mma"),  # B200 with the opt-in: no tcgen05 kernels are built yet
+    ((10, 3, True), "warp_mma"),  # B300
+    ((11, 0, False), "warp_mma"),
+    ((12, 0, False), "warp_mma"),  # RTX 50xx
+    ((12, 1, True), "warp_mma"),  # the opt-in is for sm_100 / sm_103 only
+]
+
+
+@pytest.mark.parametrize("capability, want", CASES, ids=lambda c: ".".join(map(str, c[:2])) if isinstance(c, tuple) else c)
+def test_dispatch_table(capability, want):
+    major, minor, sm100 = capability
+    assert _ffi.kernel_path(major, minor, sm100_enabled=sm100) == want
+
+
+def test_every_translation_unit_holds_sass_for_every_compiled_arch():
+    import jax_msa._jax_msa_cuda as cuda_module
+    want = {int(a.rstrip("af")) for a in jax_msa.cuda_archs()}
+    containers = fatbin_entries(cuda_module.__file__)
+    assert want and containers
+    for entries in containers:
+        assert {sm for kind, sm in entries if kind == KIND_SASS} == want, entries
