@@ -8,7 +8,8 @@
 #             .ci/build_inplace.sh (JAX_MSA_CUDA=ON, JOBS=16). CUTLASS headers come from the nvidia-cutlass wheel
 #             in .whl/, installed into /tmp/site.
 #   info      nvidia-smi, JAX devices, what jax_msa was built with, HGMMA / HMMA counts in the CUDA module's SASS
-#   test      pytest -m gpu twice: XLA command buffers as configured (default: on), then with them disabled
+#   test      pytest -m gpu twice: XLA command buffers as configured (default: on), then with them disabled;
+#             then the bf16 prefill tests once more with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
@@ -123,6 +124,9 @@ stage_test() {
   echo "--- pytest -m gpu, XLA command buffers disabled"
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
     run_pytest "${LOG_DIR}/junit_gpu_no_cmdbuf.xml" -m gpu || rc=1
+  echo "--- prefill tests with the opt-in pipelined bf16 prefill kernel (JAX_MSA_PREFILL_PIPELINED=1)"
+  JAX_MSA_PREFILL_PIPELINED=1 run_pytest "${LOG_DIR}/junit_gpu_prefill_pipelined.xml" -m gpu \
+    -k "test_gpu_prefill and (BF16 or corners or total_q)" || rc=1
   return "${rc}"
 }
 

@@ -14,6 +14,7 @@ set(JAX_MSA_CUDA_SOURCES
   cc/sm80/prefill/prefill_dispatch.cu
   cc/sm80/prefill/combine_partials.cu
   cc/sm80/prefill/prefill_bf16.cu
+  cc/sm80/prefill/prefill_bf16_pipelined.cu
   cc/sm80/prefill/prefill_fp8.cu
   cc/sm80/prefill/prefill_nvfp4.cu
 )

@@ -12,6 +12,7 @@ Useful TFLOP/s = 4 * D * Hq * sum_t |S(t)| / time (masked keys not counted), aga
 """
 
 import argparse
+import os
 
 
 import jax
@@ -115,8 +116,12 @@ def main():
     ap.add_argument("--heads", action="append")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="the opt-in persistent pipelined bf16 kernel (JAX_MSA_PREFILL_PIPELINED=1, unverified)")
     ap.add_argument("--fmt", action="append", choices=["BF16", "FP8", "NVFP4"], help="KV format(s), default BF16")
     a = ap.parse_args()
+    if a.pipelined:  # read by the CUDA handler at its first call
+        os.environ["JAX_MSA_PREFILL_PIPELINED"] = "1"
     tokens = a.tokens or ([32768] if a.quick else [8192, 32768, 131072])
     heads = [tuple(int(x) for x in h.split("/")) for h in (a.heads or ["64/4", "16/1"])]
     print(f"devices {jax.devices()}  CUDA targets {sorted(jax_msa._ffi.cuda_targets())}")

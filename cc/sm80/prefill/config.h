@@ -51,4 +51,13 @@ struct SharedPlan {
   static_assert(kBytes <= 96 * 1024, "fits every sm_80+ GPU");
 };
 
+// Opt-in, unverified (JAX_MSA_PREFILL_PIPELINED=1, bf16 KV only): persistent CTAs, one an SM, that load the next
+// work item's block and query tile (cp.async) while attending the current one. Two stages of [K|V bf16 | query tile].
+struct PipelinedPlan {
+  static constexpr int kStageBytes = SharedPlan<KvFormat::kBf16>::kBytes;  // 96 KB
+  static constexpr int kStages = 2;
+  static constexpr int kBytes = kStages * kStageBytes;
+  static_assert(kBytes <= 227 * 1024 - 4096, "two stages in one CTA (sm_80 / sm_90 / sm_100 shared memory)");
+};
+
 }  // namespace jax_msa::sm80::prefill

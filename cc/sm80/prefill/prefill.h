@@ -19,6 +19,12 @@ cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream);
 template <KvFormat F>
 cudaError_t launch_sparse_prefill(const PrefillParams& p, cudaStream_t stream);
 
+// Opt-in, unverified: persistent software-pipelined prefill kernel for bf16 KV (JAX_MSA_PREFILL_PIPELINED=1).
+cudaError_t launch_sparse_prefill_pipelined(const PrefillParams& p, cudaStream_t stream);
+
+// JAX_MSA_PREFILL_PIPELINED == "1" (read once).
+bool prefill_pipelined_enabled();
+
 cudaError_t launch_combine_partials(const PrefillParams& p, cudaStream_t stream);
 
 }  // namespace jax_msa::sm80::prefill

@@ -1,4 +1,6 @@
 // Warp-MMA (sm_80+) sparse prefill: shape checks, per-format dispatch, then the combine.
+#include <cstdlib>
+
 #include "sm80/prefill/config.h"
 #include "sm80/prefill/prefill.h"
 
@@ -14,11 +16,22 @@ bool prefill_supports(const PrefillParams& p, const char** why) {
   return reason == nullptr;
 }
 
+bool prefill_pipelined_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAX_MSA_PREFILL_PIPELINED");
+    return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
+  return on;
+}
+
 cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
   if (p.total_q == 0) return cudaSuccess;
   cudaError_t e = cudaErrorInvalidValue;
   switch (p.kv_format) {
-    case KvFormat::kBf16: e = launch_sparse_prefill<KvFormat::kBf16>(p, stream); break;
+    case KvFormat::kBf16:
+      e = prefill_pipelined_enabled() ? launch_sparse_prefill_pipelined(p, stream)
+                                      : launch_sparse_prefill<KvFormat::kBf16>(p, stream);
+      break;
     case KvFormat::kFp8: e = launch_sparse_prefill<KvFormat::kFp8>(p, stream); break;
     case KvFormat::kNvfp4: e = launch_sparse_prefill<KvFormat::kNvfp4>(p, stream); break;
   }

@@ -54,71 +54,67 @@ __device__ __forceinline__ void load_query_tile(uint8_t* q_tile, const PrefillPa
   }
 }
 
+// The tile's queries (<= 128 / G tokens that selected the block): token, partial slot (rank), and how many keys of
+// the block each one sees (causal).
+struct TileQueries {
+  int query[kMaxTileQueries], rank[kMaxTileQueries], visible[kMaxTileQueries];
+};
+
+// One work item of the plan and the block it names.
+struct ItemView {
+  WorkItem item;
+  int group, count, block_key0, n_keys;
+  int64_t page;
+  bool page_ok;
+
+  static __device__ __forceinline__ ItemView make(const PrefillParams& p, const PlanView& plan, int w) {
+    ItemView v;
+    v.item = plan.item(w);
+    v.group = p.num_q_heads / p.num_kv_heads;
+    v.count = min(v.item.edge_count, kTileRows / v.group);
+    v.block_key0 = v.item.block * kPageSize;
+    v.n_keys = max(0, min(kPageSize, p.seq_lens[v.item.request] - v.block_key0));
+    v.page = p.block_table[int64_t(v.item.request) * p.max_blocks + v.item.block];
+    v.page_ok = v.page >= 0 && v.page < p.num_pages;
+    return v;
+  }
+};
+
+// Step 1 (threads < count; the caller synchronizes before tq is read).
+__device__ __forceinline__ void gather_tile_queries(TileQueries& tq, const PrefillParams& p, const PlanView& plan,
+                                                    const ItemView& v) {
+  if (threadIdx.x < v.count) {
+    const int e = v.item.edge_begin + threadIdx.x;
+    const int t = plan.query(v.item.head, e);
+    tq.query[threadIdx.x] = t;
+    tq.rank[threadIdx.x] = plan.rank(v.item.head, e);
+    const int pos = query_position(p.cu_seqlens_q, p.seq_lens, v.item.request, t);
+    tq.visible[threadIdx.x] = v.page_ok ? max(0, min(v.n_keys, pos - v.block_key0 + 1)) : 0;
+  }
+}
+
+// Keys any query of the tile sees: the loads stop there (zero-filled beyond).
+__device__ __forceinline__ int tile_visible_keys(const TileQueries& tq, int count) {
+  int visible = 0;
+  for (int i = 0; i < count; ++i) visible = max(visible, tq.visible[i]);
+  return visible;
+}
+
+// Steps 3 and 4: every warp attends its 16 rows of the query tile (swizzled bf16 in shared memory) over the
+// block's bf16 K | V tiles (two 64-key halves) and writes their normalized partials and lse at the plan's slots.
 template <KvFormat F>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm) sparse_prefill_kernel(const PrefillParams p) {
+__device__ __forceinline__ void attend_tile(const PrefillParams& p, const PlanView& plan, const ItemView& v,
+                                            const TileQueries& tq, int tile_visible, const uint8_t* kv_tiles,
+                                            const uint8_t* q_tile) {
   using Plan = SharedPlan<F>;
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ int s_query[kMaxTileQueries], s_rank[kMaxTileQueries], s_visible[kMaxTileQueries];
-  __shared__ uint32_t s_table[F == KvFormat::kNvfp4 ? 256 : 1];
-
-  const PlanView plan = PlanView::from(p);
-  if (int(blockIdx.x) >= plan.work_count()) return;  // static-capacity grid: the count is read on device
-  const WorkItem item = plan.item(blockIdx.x);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int g = item.head, b = item.request;
-  const int count = min(item.edge_count, kTileRows / group);
-  const int seq_len = p.seq_lens[b];
-  const int block_key0 = item.block * kPageSize;
-  const int n_keys = max(0, min(kPageSize, seq_len - block_key0));
-  const int64_t page = p.block_table[int64_t(b) * p.max_blocks + item.block];
-  const bool page_ok = page >= 0 && page < p.num_pages;
-
-  // ---- 1. the tile's queries: token, partial slot, visible keys of this block (causal)
-  if (threadIdx.x < count) {
-    const int e = item.edge_begin + threadIdx.x;
-    const int t = plan.query(g, e);
-    s_query[threadIdx.x] = t;
-    s_rank[threadIdx.x] = plan.rank(g, e);
-    const int pos = query_position(p.cu_seqlens_q, p.seq_lens, b, t);
-    s_visible[threadIdx.x] = page_ok ? max(0, min(n_keys, pos - block_key0 + 1)) : 0;
-  }
-  if constexpr (F == KvFormat::kNvfp4) ChunkIO<F>::build_table(s_table);
-  __syncthreads();
-  int tile_visible = 0;  // keys any query of the tile sees: the loads stop there (zero-filled beyond)
-  for (int i = 0; i < count; ++i) tile_visible = max(tile_visible, s_visible[i]);
-
-  // ---- 2. load the block once (warp w: half w / 4, keys 16 (w % 4) ..), dequantize, share; the query tile
-  uint8_t* q_tile = smem + Plan::kQueryOffset;
-  const int half = warp >> 2, key0 = (warp & 3) * kKeysPerWarp;
-  const int half_visible = max(0, min(kChunkKeys, tile_visible - half * kChunkKeys));
-  uint8_t* raw_half = smem + Plan::kRawOffset + half * Plan::kRawHalfBytes;
-  uint8_t* tile_half = smem + half * Plan::kTileHalfBytes;
-  const ChunkRef ref{page_ok ? page : 0, half, half_visible};
-  if (half_visible > 0) ChunkIO<F>::load(raw_half, p.kv_cache, p.num_kv_heads, g, ref, key0, lane);
-  if constexpr (F == KvFormat::kBf16) load_query_tile(q_tile, p, s_query, count, group, g);
-  cute::cp_async_fence();
-  cute::cp_async_wait<0>();
-  if constexpr (F != KvFormat::kBf16) {
-    __syncwarp();
-    if constexpr (F == KvFormat::kNvfp4) {
-      if (half_visible > 0) ChunkIO<F>::dequant(raw_half, tile_half, ref, key0, lane, s_table);
-    } else {
-      if (half_visible > 0) ChunkIO<F>::dequant(raw_half, tile_half, ref, key0, lane);
-    }
-    __syncthreads();  // every warp is done with the raw block: the query tile takes its place
-    load_query_tile(q_tile, p, s_query, count, group, g);
-    cute::cp_async_fence();
-    cute::cp_async_wait<0>();
-  }
-  __syncthreads();  // every warp reads every key of the block and its rows of the query tile from here on
-
+  const int group = v.group, g = v.item.head, count = v.count;
   // ---- 3. per warp: rows R = 16 warp + {lane / 4, lane / 4 + 8}, R = query * G + head
   const int row0 = warp * kRowsPerWarp + (lane >> 2), row1 = row0 + 8;
   const int qi0 = row0 / group, qi1 = row1 / group;
   const bool ok0 = qi0 < count, ok1 = qi1 < count;
   if (!__any_sync(0xffffffffu, ok0 || ok1)) return;  // a warp past the tile's rows has nothing to do
-  const int vis[2] = {ok0 ? s_visible[qi0] : 0, ok1 ? s_visible[qi1] : 0};
+  const int vis[2] = {ok0 ? tq.visible[qi0] : 0, ok1 ? tq.visible[qi1] : 0};
   const int c2 = (lane & 3) * 2;
   // ldmatrix.x4 of the A operand (k16 step ks): lanes 0-15 rows 0-15 at dims 16 ks, lanes 16-31 at 16 ks + 8
   const uint8_t* q_row = q_tile + (warp * kRowsPerWarp + (lane & 15)) * kBf16RowBytes;
@@ -138,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) sparse_prefill_kernel(co
   const int n_slices = (tile_visible + kSliceKeys - 1) / kSliceKeys;
   for (int sl = 0; sl < n_slices; ++sl) {
     const int hf = sl >> 1, key_base = (sl & 1) * kSliceKeys;  // slice = keys [key_base, +32) of half hf
-    const uint8_t* k_tile = smem + hf * Plan::kTileHalfBytes;
+    const uint8_t* k_tile = kv_tiles + hf * Plan::kTileHalfBytes;
     const uint8_t* v_tile = k_tile + kBf16TileBytes;
     // S = Q K^T over the slice's 32 keys: 4 n-tiles, two per ldmatrix.x4
     float s[4][4];
@@ -227,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) sparse_prefill_kernel(co
     if (!ok) continue;
     const int qi = r == 0 ? qi0 : qi1;
     const int head_in_group = (r == 0 ? row0 : row1) % group;
-    const int64_t slot = plan.partial_index(s_query[qi], g, s_rank[qi], num_kv) * group + head_in_group;
+    const int64_t slot = plan.partial_index(tq.query[qi], g, tq.rank[qi], num_kv) * group + head_in_group;
     const bool empty = !(l_run[r] > 0.0f);
     const float inv = empty ? 0.0f : v_scale / l_run[r];
     uint16_t* dst = static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim + c2;  // bf16 partials
@@ -236,6 +232,53 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) sparse_prefill_kernel(co
       *reinterpret_cast<uint32_t*>(dst + i * 8) = pack_bf16x2(acc[i][2 * r] * inv, acc[i][2 * r + 1] * inv);
     if ((lane & 3) == 0) p.partial_lse[slot] = empty ? -INFINITY : (m_run[r] + log2f(l_run[r])) * kLn2;
   }
+}
+
+template <KvFormat F>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) sparse_prefill_kernel(const PrefillParams p) {
+  using Plan = SharedPlan<F>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ TileQueries s_tq;
+  __shared__ uint32_t s_table[F == KvFormat::kNvfp4 ? 256 : 1];
+
+  const PlanView plan = PlanView::from(p);
+  if (int(blockIdx.x) >= plan.work_count()) return;  // static-capacity grid: the count is read on device
+  const ItemView v = ItemView::make(p, plan, blockIdx.x);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = v.item.head;
+
+  // ---- 1. the tile's queries
+  gather_tile_queries(s_tq, p, plan, v);
+  if constexpr (F == KvFormat::kNvfp4) ChunkIO<F>::build_table(s_table);
+  __syncthreads();
+  const int tile_visible = tile_visible_keys(s_tq, v.count);
+
+  // ---- 2. load the block once (warp w: half w / 4, keys 16 (w % 4) ..), dequantize, share; the query tile
+  uint8_t* q_tile = smem + Plan::kQueryOffset;
+  const int half = warp >> 2, key0 = (warp & 3) * kKeysPerWarp;
+  const int half_visible = max(0, min(kChunkKeys, tile_visible - half * kChunkKeys));
+  uint8_t* raw_half = smem + Plan::kRawOffset + half * Plan::kRawHalfBytes;
+  uint8_t* tile_half = smem + half * Plan::kTileHalfBytes;
+  const ChunkRef ref{v.page_ok ? v.page : 0, half, half_visible};
+  if (half_visible > 0) ChunkIO<F>::load(raw_half, p.kv_cache, p.num_kv_heads, g, ref, key0, lane);
+  if constexpr (F == KvFormat::kBf16) load_query_tile(q_tile, p, s_tq.query, v.count, v.group, g);
+  cute::cp_async_fence();
+  cute::cp_async_wait<0>();
+  if constexpr (F != KvFormat::kBf16) {
+    __syncwarp();
+    if constexpr (F == KvFormat::kNvfp4) {
+      if (half_visible > 0) ChunkIO<F>::dequant(raw_half, tile_half, ref, key0, lane, s_table);
+    } else {
+      if (half_visible > 0) ChunkIO<F>::dequant(raw_half, tile_half, ref, key0, lane);
+    }
+    __syncthreads();  // every warp is done with the raw block: the query tile takes its place
+    load_query_tile(q_tile, p, s_tq.query, v.count, v.group, g);
+    cute::cp_async_fence();
+    cute::cp_async_wait<0>();
+  }
+  __syncthreads();  // every warp reads every key of the block and its rows of the query tile from here on
+
+  attend_tile<F>(p, plan, v, s_tq, tile_visible, smem, q_tile);
 }
 
 }  // namespace jax_msa::sm80::prefill
