@@ -19,6 +19,8 @@ import pytest
 pytest.importorskip("flax")
 
 from jax_msa.nn.index_cache import allocate_index_cache, write_index_keys  # noqa: E402
+from jax_msa import reference  # noqa: E402
+from jax_msa.nn import indexer as indexer_module  # noqa: E402
 from jax_msa.nn.indexer import indexer_decode, indexer_prefill  # noqa: E402
 
 PAGE = 128
@@ -176,3 +178,32 @@ def test_write_index_keys_scatters_rows_and_skips_bad_slots():
     keep = (slots >= 0) & (slots < pages * PAGE)
     want[slots[keep]] = rows[keep]
     np.testing.assert_array_equal(got.reshape(pages * PAGE, DIM), want)  # NaN positions must match too
+
+
+@pytest.mark.parametrize("requests", [1, 3, 6])
+def test_dense_over_batch_scores_equal_per_token_scores(requests):
+    # Both forms of block_scores on the same (NaN-poisoned, shuffled, out-of-range-tailed) cache, with padding
+    # tokens (block_scores takes the dense form for <= 4 requests). Integer-valued data: every dot product is
+    # exact, so the forms agree bit for bit; float data: they agree to fp32 summation order.
+    rng = np.random.default_rng(500 + requests)
+    seq_lens = rng.integers(1, 700, size=requests)
+    new_lens = np.minimum(seq_lens, rng.integers(1, 300, size=requests))
+    keys = [integer_values(rng, (n, DIM)) for n in seq_lens]
+    max_blocks = max(-(-int(n) // PAGE) for n in seq_lens) + 1
+    cache, block_table = paged_index_cache(rng, keys, num_pages=sum(-(-int(n) // PAGE) for n in seq_lens) + 3,
+                                           max_blocks=max_blocks)
+    total, padding = int(new_lens.sum()), 5
+    q_int = jnp.asarray(integer_values(rng, (total + padding, HEADS, DIM)), jnp.bfloat16)
+    q_float = jnp.asarray(rng.standard_normal((total + padding, HEADS, DIM)), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(new_lens)]), jnp.int32)
+    req, pos, in_batch = reference.prefill_positions(cu, jnp.asarray(seq_lens, jnp.int32), total + padding)
+    args = dict(req=req, pos=pos, in_batch=in_batch, block_table=block_table)
+    dense_fn = jax.jit(lambda q, c: indexer_module._block_scores_dense_over_batch(q, c, **args))
+    per_token_fn = jax.jit(lambda q, c: indexer_module._block_scores_per_token(q, c, chunk=32, **args))
+    dense, per_token = np.asarray(dense_fn(q_int, cache)), np.asarray(per_token_fn(q_int, cache))
+    np.testing.assert_array_equal(dense, per_token)
+    assert np.isfinite(dense).any() and np.isneginf(dense).any()
+    dense, per_token = np.asarray(dense_fn(q_float, cache)), np.asarray(per_token_fn(q_float, cache))
+    np.testing.assert_array_equal(np.isneginf(dense), np.isneginf(per_token))
+    live = np.isfinite(per_token)
+    np.testing.assert_allclose(dense[live], per_token[live], rtol=1e-5, atol=1e-5)

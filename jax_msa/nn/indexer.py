@@ -28,16 +28,35 @@ from jax_msa import reference
 from jax_msa.kv_cache import PAGE_SIZE
 
 
+# Requests per call up to which block_scores compares every token with the keys of all the call's requests (one
+# shared gather of their pages, then dense matmuls; work grows with the number of requests) instead of gathering
+# each token's own request's keys (memory traffic grows with the number of tokens times the context).
+DENSE_OVER_BATCH_MAX_REQUESTS = 4
+_SCORE_CHUNK_BYTES = 256 << 20  # fp32 scores of one lax.map batch in the dense-over-batch form
+
+
 def block_scores(q_idx, index_cache, *, req, pos, in_batch, block_table, chunk: int = 32):
     """Raw block scores [H, T, max_blocks] fp32 (-inf where a block has no causally visible key).
 
     q_idx [T, H, Didx]; index_cache bf16 [P, 1, 128, Didx]; req, pos [T] int32; in_batch [T] bool;
-    block_table [B, max_blocks]. Blocks whose page is out of range are treated as having no keys."""
+    block_table [B, max_blocks]. Blocks whose page is out of range are treated as having no keys. Batches of
+    at most DENSE_OVER_BATCH_MAX_REQUESTS requests take the dense-over-batch form (the same scores)."""
     t_total, h, d = q_idx.shape
-    num_pages = index_cache.shape[0]
     max_blocks = block_table.shape[1]
     if t_total == 0:
         return jnp.zeros((h, 0, max_blocks), jnp.float32)
+    if block_table.shape[0] <= DENSE_OVER_BATCH_MAX_REQUESTS:
+        return _block_scores_dense_over_batch(q_idx, index_cache, req=req, pos=pos, in_batch=in_batch,
+                                              block_table=block_table)
+    return _block_scores_per_token(q_idx, index_cache, req=req, pos=pos, in_batch=in_batch,
+                                   block_table=block_table, chunk=chunk)
+
+
+def _block_scores_per_token(q_idx, index_cache, *, req, pos, in_batch, block_table, chunk):
+    """Each token gathers its own request's keys [MB, 128, D] (lax.map over tokens, `chunk` at a time)."""
+    t_total = q_idx.shape[0]
+    num_pages = index_cache.shape[0]
+    max_blocks = block_table.shape[1]
     keys_all = index_cache[:, 0]  # [P, 128, D] bf16
     kpos = jnp.arange(max_blocks, dtype=jnp.int32)[:, None] * PAGE_SIZE + jnp.arange(PAGE_SIZE, dtype=jnp.int32)
 
@@ -52,6 +71,32 @@ def block_scores(q_idx, index_cache, *, req, pos, in_batch, block_table, chunk: 
         return jnp.max(s, axis=-1)  # [H, MB]
 
     scores = jax.lax.map(one, (q_idx, req, pos, in_batch), batch_size=min(chunk, t_total))  # [T, H, MB]
+    return jnp.moveaxis(scores, 1, 0)
+
+
+def _block_scores_dense_over_batch(q_idx, index_cache, *, req, pos, in_batch, block_table):
+    """The keys of all B requests' pages are gathered once ([B * MB, 128, D]); every token is scored against all
+    of them with one matmul and the keys of other requests are masked out (their max is -inf), so the per-token
+    work is B times the per-token form's but it is a dense matmul instead of a gather per token."""
+    t_total, h, _ = q_idx.shape
+    num_pages = index_cache.shape[0]
+    batch, max_blocks = block_table.shape
+    pages = block_table.reshape(-1)
+    page_ok = ((pages >= 0) & (pages < num_pages)).reshape(batch, max_blocks)
+    keys = index_cache[jnp.where(page_ok.reshape(-1), pages, 0), 0]  # [B * MB, 128, D] bf16
+    kpos = jnp.arange(max_blocks, dtype=jnp.int32)[:, None] * PAGE_SIZE + jnp.arange(PAGE_SIZE, dtype=jnp.int32)
+    requests = jnp.arange(batch, dtype=req.dtype)
+
+    def one(args):
+        q_t, b, p, ok = args  # [H, D], (), (), ()
+        s = jnp.einsum("hd,njd->hnj", q_t.astype(jnp.bfloat16), keys, preferred_element_type=jnp.float32)
+        s = s.reshape(h, batch, max_blocks, PAGE_SIZE)
+        visible = ((requests == b) & ok)[:, None, None] & page_ok[:, :, None] & (kpos <= p)[None]  # [B, MB, 128]
+        return jnp.max(jnp.where(visible[None], s, -jnp.inf), axis=(1, 3))  # [H, MB]
+
+    per_token = h * batch * max_blocks * PAGE_SIZE * 4
+    chunk = max(1, min(t_total, _SCORE_CHUNK_BYTES // per_token))
+    scores = jax.lax.map(one, (q_idx, req, pos, in_batch), batch_size=chunk)  # [T, H, MB]
     return jnp.moveaxis(scores, 1, 0)
 
 
