@@ -2,14 +2,17 @@
 # The one script run on the GPU machine (an H200: python3 3.12 with jax 0.11.2 + CUDA plugin, nanobind,
 # scikit-build-core, cmake, ninja, pytest; no network).
 #
-#   bash .ci/gpu_run.sh [stage ...]        stages: build info test sanitize bench profile  (default: build info test bench)
+#   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_off test_pipelined sanitize bench profile
+#                                     (default: build info test bench; one device call runs at most 10 minutes:
+#                                     test takes ~7, test_off + test_pipelined ~4)
 #
 #   build     dist/*.whl present: install that wheel into /tmp/site; otherwise build in-tree with
 #             .ci/build_inplace.sh (JAX_MSA_CUDA=ON, JOBS=16). CUTLASS headers come from the nvidia-cutlass wheel
 #             in .whl/, installed into /tmp/site.
 #   info      nvidia-smi, JAX devices, what jax_msa was built with, HGMMA / HMMA counts in the CUDA module's SASS
-#   test      pytest -m gpu twice: XLA command buffers as configured (default: on), then with them disabled;
-#             then the bf16 prefill tests once more with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
+#   test      pytest -m gpu, XLA command buffers as configured (default: on)
+#   test_off  pytest -m gpu with command buffers disabled: small cases and command-buffer tests (FULL=1: all)
+#   test_pipelined  the bf16 prefill tests with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
@@ -67,8 +70,10 @@ stage_build() {
     echo "build: installing ${WHEELS[*]} into ${SITE}"
     "${PY}" -m pip install -q --no-deps --no-index --upgrade --target "${SITE}" "${WHEELS[@]}"
   else
-    echo "build: in-tree, JAX_MSA_CUDA=ON JAX_MSA_CUDA_ARCHS=${JAX_MSA_CUDA_ARCHS:-the default list, sm_80 to sm_120}"
-    JOBS=16 JAX_MSA_CUDA=ON PYTHON="${PY}" .ci/build_inplace.sh
+    # This machine is an H200: sm_90a only unless asked (the default list is for installs).
+    local archs="${JAX_MSA_CUDA_ARCHS:-90a-real}"
+    echo "build: in-tree, JAX_MSA_CUDA=ON JAX_MSA_CUDA_ARCHS=${archs}"
+    JOBS=16 JAX_MSA_CUDA=ON JAX_MSA_CUDA_ARCHS="${archs}" PYTHON="${PY}" .ci/build_inplace.sh
   fi
 }
 
@@ -118,16 +123,24 @@ run_pytest() {
 }
 
 stage_test() {
-  local rc=0
   echo "--- pytest -m gpu, XLA command buffers as configured (XLA_FLAGS='${XLA_FLAGS:-}')"
-  run_pytest "${LOG_DIR}/junit_gpu.xml" -m gpu || rc=1
-  echo "--- pytest -m gpu, XLA command buffers disabled"
+  run_pytest "${LOG_DIR}/junit_gpu.xml" -m gpu
+}
+
+# The GPU tests with XLA command buffers disabled: the small cases and the command-buffer tests (FULL=1: all).
+stage_test_off() {
+  local -a select=(-k "small or sanitizer or command_buffers or corners or deterministic")
+  [[ "${FULL:-0}" == 1 ]] && select=()
+  echo "--- pytest -m gpu, XLA command buffers disabled ${select[*]:+(subset: ${select[1]})}"
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
-    run_pytest "${LOG_DIR}/junit_gpu_no_cmdbuf.xml" -m gpu || rc=1
-  echo "--- prefill tests with the opt-in pipelined bf16 prefill kernel (JAX_MSA_PREFILL_PIPELINED=1)"
+    run_pytest "${LOG_DIR}/junit_gpu_no_cmdbuf.xml" -m gpu "${select[@]}"
+}
+
+# The bf16 prefill tests with the opt-in pipelined prefill kernel (JAX_MSA_PREFILL_PIPELINED=1).
+stage_test_pipelined() {
+  echo "--- prefill tests, JAX_MSA_PREFILL_PIPELINED=1"
   JAX_MSA_PREFILL_PIPELINED=1 run_pytest "${LOG_DIR}/junit_gpu_prefill_pipelined.xml" -m gpu \
-    -k "test_gpu_prefill and (BF16 or corners or total_q)" || rc=1
-  return "${rc}"
+    -k "test_gpu_prefill and (BF16 or corners or total_q)"
 }
 
 stage_sanitize() {
@@ -172,8 +185,9 @@ STAGES=("$@")
 (( ${#STAGES[@]} )) || STAGES=(build info test bench)
 for s in "${STAGES[@]}"; do
   case "${s}" in
-    build|info|test|sanitize|bench|profile) ;;
-    *) echo "unknown stage '${s}' (stages: build info test sanitize bench profile)" >&2; exit 2 ;;
+    build|info|test|test_off|test_pipelined|sanitize|bench|profile) ;;
+    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined sanitize bench profile)" >&2
+       exit 2 ;;
   esac
 done
 
