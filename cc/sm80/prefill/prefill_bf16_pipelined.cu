@@ -1,7 +1,6 @@
 // Warp-MMA (sm_80+) sparse prefill, bf16 KV cache, persistent and software-pipelined: opt-in and unverified
 // (JAX_MSA_PREFILL_PIPELINED=1; see PipelinedPlan in config.h). The one kernel of this translation unit.
-#include <atomic>
-
+#include "cuda/launch_config.h"
 #include "sm80/prefill/prefill.h"
 #include "sm80/prefill/prefill_kernel.cuh"
 
@@ -68,23 +67,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_pipelined_kernel(c
 
 cudaError_t launch_sparse_prefill_pipelined(const PrefillParams& p, cudaStream_t stream) {
   constexpr int kSmem = PipelinedPlan::kBytes;
-  static std::atomic<uint64_t> configured{0};
-  static std::atomic<int> sm_counts[64] = {};
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured.load(std::memory_order_acquire) & bit)) {
-    if (cudaError_t e = cudaFuncSetAttribute(sparse_prefill_pipelined_kernel,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-        e != cudaSuccess)
-      return e;
-    int sms = 0;
-    if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess)
-      return e;
-    sm_counts[device & 63].store(sms, std::memory_order_release);
-    configured.fetch_or(bit, std::memory_order_acq_rel);
-  }
-  const int grid = min(p.work_capacity, sm_counts[device & 63].load(std::memory_order_acquire));
+  if (cudaError_t e = cuda::ensure_dynamic_smem<sparse_prefill_pipelined_kernel>(kSmem); e != cudaSuccess) return e;
+  int sms = 0;
+  if (cudaError_t e = cuda::current_sm_count(&sms); e != cudaSuccess) return e;
+  const int grid = min(p.work_capacity, sms);  // persistent: one CTA an SM
   if (grid > 0) sparse_prefill_pipelined_kernel<<<unsigned(grid), kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
