@@ -7,6 +7,7 @@ TFLOP/s of the sum (bench_prefill.useful_flops) as a fraction of 790.
 
     python examples/bench/ncu_prefill.py                          # 32k, heads 64/4 and 16/1, bf16
     python examples/bench/ncu_prefill.py --case 32768,64/4,NVFP4
+    python examples/bench/ncu_prefill.py --pipelined              # the opt-in pipelined bf16 kernel
 """
 
 import argparse
@@ -19,15 +20,15 @@ import numpy as np
 from bench_prefill import PEAK, make_topk, useful_flops
 from ncu_util import kernel_durations
 
-KERNELS = {"prefill": "sparse_prefill_kernel", "combine": "combine_partials"}
+KERNELS = {"prefill": "sparse_prefill", "combine": "combine_partials"}  # sparse_prefill_(pipelined_)kernel
 
 
-def profile(case, calls):
+def profile(case, calls, pipelined=False):
     n, heads, fmt = case.split(",")
     bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_prefill.py")
     rows = kernel_durations("|".join(KERNELS.values()), 2 * calls, [
         sys.executable, bench, "--tokens", n, "--heads", heads, "--fmt", fmt, "--repeats", str(max(1, calls - 2)),
-        "--no-dense"])
+        "--no-dense", *(["--pipelined"] if pipelined else [])])
     return {k: [ns / 1e3 for name, ns in rows if sym in name] for k, sym in KERNELS.items()}
 
 
@@ -35,12 +36,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", action="append", help="tokens,heads,format")
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--pipelined", action="store_true", help="the opt-in pipelined bf16 prefill kernel")
     args = ap.parse_args()
     print("| N | heads | KV | prefill kernel us (min-max) | combine us (min-max) | sum us | useful TFLOP/s | of 790 |")
     print("|---|---|---|---|---|---|---|---|")
     for case in args.case or ["32768,64/4,BF16", "32768,16/1,BF16"]:
         n, heads, fmt = case.split(",")
-        times = profile(case, args.calls)
+        times = profile(case, args.calls, args.pipelined)
         if not times["prefill"]:
             print(f"| {int(n) // 1024}k | {heads} | {fmt} | (no kernels profiled) |")
             continue
