@@ -71,3 +71,24 @@ def test_serving_specs():
         P("dp", "tp", None), P("dp", "tp", None, None), P("tp", "dp", None), P("dp"), P("dp", None), P("dp", "tp"))
     with pytest.raises(ValueError, match="no axis named 'tp'"):
         sharded_sparse_decode(jax.make_mesh((1, 1), ("data", "model")), model_axis="tp")
+
+
+def test_tp_bench_script_on_four_fake_devices():
+    # examples/bench/bench_tp.py --small: M3-style 16/4 heads sharded 1-, 2- and 4-way on fake CPU devices; the
+    # script asserts no collective and prints whether each sharded output is bit-identical to the one-device one.
+    script = TESTS.parent / "examples" / "bench" / "bench_tp.py"
+    if not script.exists():
+        pytest.skip("examples/ not in this checkout")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    package_parent = pathlib.Path(jax_msa.__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(package_parent), str(script.parent), env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([sys.executable, str(script), "--small", "--repeats", "1"], env=env, cwd=cwd,
+                           capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| prefill") or line.startswith("| decode")]
+    sharded = [line for line in rows if not line.split("|")[2].strip() == "1"]
+    assert len(rows) == 6 and len(sharded) == 4, r.stdout
+    assert all("| none |" in line and "bit-identical" in line for line in sharded), r.stdout
