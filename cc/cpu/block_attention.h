@@ -26,17 +26,21 @@ inline void load_query(const void* q, bool is_fp8, float q_scale, int64_t row, i
   }
 }
 
-// K and V of one (page, KV head) in fp32, n_keys tokens.
+// K and V of one (page, KV head) in fp32, n_keys tokens. K is kept transposed ([D, 128]) so that the scores of
+// all keys accumulate with vector instructions over the keys while each key's dot product still sums over d in
+// order (the same rounding as a plain loop).
 struct BlockKV {
-  std::vector<float> k, v;  // [128, D]
+  std::vector<float> kt, v;  // kt [D, 128], v [128, D]
   int n_keys = 0;
   void load(const KvPageReader& reader, int64_t page, int g, int n, float k_scale, float v_scale) {
     const int D = reader.head_dim;
-    k.resize(size_t(kPageSize) * D);
+    kt.resize(size_t(kPageSize) * D);
     v.resize(size_t(kPageSize) * D);
+    std::vector<float> row(static_cast<size_t>(D));
     n_keys = n;
     for (int t = 0; t < n; ++t) {
-      reader.load_token(page, g, t, false, k_scale, &k[size_t(t) * D]);
+      reader.load_token(page, g, t, false, k_scale, row.data());
+      for (int d = 0; d < D; ++d) kt[size_t(d) * kPageSize + t] = row[d];
       reader.load_token(page, g, t, true, v_scale, &v[size_t(t) * D]);
     }
   }
@@ -48,14 +52,16 @@ inline float attend_block(const float* qh, const BlockKV& kv, int visible, int D
                           float* scores /* [128] scratch */) {
   std::fill(o, o + D, 0.0f);
   if (visible <= 0) return kNegInf;
+  std::fill(scores, scores + visible, 0.0f);
+  for (int d = 0; d < D; ++d) {  // scores[j] = sum over d (in order) of q[d] k[j, d]
+    const float qd = qh[d];
+    const float* kd = &kv.kt[size_t(d) * kPageSize];
+    for (int j = 0; j < visible; ++j) scores[j] += qd * kd[j];
+  }
   float m = kNegInf;
   for (int j = 0; j < visible; ++j) {
-    const float* kj = &kv.k[size_t(j) * D];
-    float s = 0.0f;
-    for (int d = 0; d < D; ++d) s += qh[d] * kj[d];
-    s *= softmax_scale;
-    scores[j] = s;
-    m = std::max(m, s);
+    scores[j] *= softmax_scale;
+    m = std::max(m, scores[j]);
   }
   float l = 0.0f;
   for (int j = 0; j < visible; ++j) {
