@@ -14,6 +14,8 @@ from jax import export
 
 import jax_msa
 from jax_msa import _ffi
+from bitwise import assert_bitwise_equal, bits
+from hlo_text import copies_of
 from problems import PAGE, make_decode_problem
 
 SHAPES = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, topk=4)
@@ -23,17 +25,6 @@ START_LENS = [250, 60, 1]  # each request decodes STEPS tokens inside its alloca
 # explicit opt-in (the serialized module then needs a jax_msa build with the same FFI signatures to run).
 DISABLED_CHECKS = [export.DisabledSafetyCheck.custom_call(t)
                    for t in (_ffi.TARGET_PREFILL, _ffi.TARGET_DECODE, _ffi.TARGET_WRITE_KV)]
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
-def _assert_identical(got, want):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
 @functools.cache
@@ -95,9 +86,9 @@ def test_export_for_cpu_and_cuda_round_trips_and_runs_on_cpu():
 
     restored = export.deserialize(exported.serialize())
     got = restored.call(*args)
-    _assert_identical(got, fn(*args))
+    assert_bitwise_equal(got, fn(*args))
     # The new token was written and attended: the cache changed at its slots.
-    assert not np.array_equal(_bits(got[0]), _bits(cache))
+    assert not np.array_equal(bits(got[0]), bits(cache))
 
 
 def test_export_without_the_opt_in_names_the_custom_call():
@@ -111,13 +102,6 @@ def test_export_without_the_opt_in_names_the_custom_call():
 # Donation
 # ---------------------------------------------------------------------------------------------------------
 
-def _cache_copies(hlo: str, cache) -> list[str]:
-    """HLO instructions that copy a buffer of the cache's shape."""
-    dtype = {jnp.bfloat16: "bf16"}[jnp.dtype(cache.dtype).type]
-    shape = re.escape(f"{dtype}[{','.join(map(str, cache.shape))}]")
-    return re.findall(rf"^\s*\S+ = {shape}\S* copy(?:-start|-done)?\(.*$", hlo, flags=re.M)
-
-
 def test_donated_decode_loop_aliases_the_cache_and_never_copies_it():
     inputs = _decode_loop_inputs()
     cache = inputs[0]
@@ -125,17 +109,17 @@ def test_donated_decode_loop_aliases_the_cache_and_never_copies_it():
     hlo = donated.lower(*inputs).compile().as_text()
     # Parameter 0 (the cache) is aliased to output {0} (the returned cache).
     assert re.search(r"input_output_alias=\{\s*\{0\}:\s*\(0,\s*\{\}", hlo), hlo[:2000]
-    assert _cache_copies(hlo, cache) == []
+    assert copies_of(hlo, cache) == []
     # The detector sees a copy when there is one: without donation the input cache must be copied.
-    assert _cache_copies(jax.jit(_decode_loop).lower(*inputs).compile().as_text(), cache)
+    assert copies_of(jax.jit(_decode_loop).lower(*inputs).compile().as_text(), cache)
 
     want_kernel = _python_loop(*inputs, impl="kernel")
     want_reference = _python_loop(*inputs, impl="reference")
     arg = jnp.array(cache, copy=True)
     got = donated(arg, *inputs[1:])
     assert arg.is_deleted()
-    _assert_identical(got, want_kernel)
-    np.testing.assert_array_equal(_bits(got[0]), _bits(want_reference[0]))  # bf16 writes are exact
+    assert_bitwise_equal(got, want_kernel)
+    np.testing.assert_array_equal(bits(got[0]), bits(want_reference[0]))  # bf16 writes are exact
     g = np.asarray(got[1].astype(jnp.float32), np.float64)
     w = np.asarray(want_reference[1].astype(jnp.float32), np.float64)
     assert (np.abs(g - w) <= 2.0**-7 * np.abs(w) + 1e-6).all()  # one bf16 ulp

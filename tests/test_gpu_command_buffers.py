@@ -26,6 +26,7 @@ import pytest
 
 import jax_msa
 from bitwise import assert_bitwise_equal
+from hlo_text import copies_of
 from problems import PAGE, make_decode_problem
 
 LAYERS, STEPS = 2, 4
@@ -182,11 +183,6 @@ def compile_with_dump(dump_dir: str):
     return compiled, sequence, read("thunk_metadata.txt")
 
 
-def cache_copies(hlo: str, cache) -> list[str]:
-    shape = re.escape(f"bf16[{','.join(map(str, cache.shape))}]")
-    return re.findall(rf"^\s*\S+ = {shape}\S* copy(?:-start|-done)?\(.*$", hlo, flags=re.M)
-
-
 def test_placement_parser_on_handmade_dumps():
     hlo = """HloModule m
 
@@ -231,7 +227,7 @@ def test_donated_caches_are_aliased_and_never_copied():
     for i in range(LAYERS):  # parameter i (cache i) is output {i}
         assert re.search(rf"\{{{i}\}}:\s*\({i},\s*\{{\}}", hlo), (f"cache {i} is not aliased input -> output",
                                                                  re.findall(r"input_output_alias=.*", hlo))
-    assert cache_copies(hlo, caches[0]) == []
+    assert copies_of(hlo, caches[0]) == []
 
 
 @pytest.mark.gpu

@@ -56,7 +56,7 @@ def decode_inputs(batch, context, hq, hkv):
                 seq_lens=jnp.full((batch,), context, jnp.int32), block_table=jnp.asarray(block_table))
 
 
-def one_device(kind, inputs):
+def one_device(kind):
     if kind == "prefill":
         return jax.jit(lambda q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table: jax_msa.sparse_attention(
             q, kv_cache, topk, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_table=block_table))
@@ -83,7 +83,7 @@ def sharded(kind, mesh):
 def run_case(kind, name, inputs, sizes, repeats):
     devices = jax.devices()
     args = tuple(jax.device_put(x, devices[0]) for x in inputs.values())
-    base_fn = one_device(kind, inputs)
+    base_fn = one_device(kind)
     want = np.asarray(base_fn(*args), np.float32)
     t1, lo1, hi1 = median_p10_p90(base_fn, args, repeats)
     rows = [f"| {name} | 1 | {t1 * 1e3:.3f} ({lo1 * 1e3:.3f}-{hi1 * 1e3:.3f}) | 1.00x | - | reference |"]
