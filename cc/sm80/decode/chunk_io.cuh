@@ -1,10 +1,11 @@
 // Warp-MMA (sm_80+) decode: moving one 64-key chunk of K and V from the paged cache into shared memory (cp.async,
-// zero-filled past the visible keys) and, for FP8 / NVFP4, dequantizing it into the swizzled bf16 tile
-// that the MMA warps read with ldmatrix. Scales: FP8 values are the raw e4m3 numbers (the per-layer
-// k_scale / v_scale are folded into the softmax scale and the output); NVFP4 values are e2m1 x e4m3
-// block scale, exact in bf16 (the global scales are folded likewise).
+// zero-filled past the visible keys) and, for FP8 / NVFP4, dequantizing it into the swizzled 16-bit tile (bf16, or
+// f16 for FP8 in the decode kernel) that the MMA warps read with ldmatrix. Scales: FP8 values are the raw e4m3
+// numbers (the per-layer k_scale / v_scale are folded into the softmax scale and the output); NVFP4 values are
+// e2m1 x e4m3 block scale, exact in bf16 (the global scales are folded likewise).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <cute/arch/copy_sm80.hpp>
@@ -12,7 +13,7 @@
 
 #include "common/kv_format.h"
 #include "common/numeric.h"
-#include "sm80/common/bf16_pack.cuh"
+#include "sm80/common/register_pack.cuh"
 #include "sm80/decode/config.h"
 
 namespace jax_msa::sm80::decode {
@@ -32,6 +33,27 @@ struct ChunkRef {
   int half;
   int visible;  // 1..64 keys of this chunk are attended
 };
+
+// Bytes 0, 1 of `pair` (e4m3) -> f16x2, low byte first: one cvt.rn.f16x2.e4m3x2 on sm_89+ (CUDA's exact emulation
+// before); every e4m3 value, NaN included, is exact in f16.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair & 0xffffu), __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+
+// Eight e2m1 values (4 bytes, low nibble first) -> four f16x2 in order, each value times 2^-6. The e2m1 code s.ee.m
+// placed as the e4m3 code s.0ee.m00 (exponent bias 7 instead of 1) is the value times 2^-6, normal and subnormal
+// codes alike; four byte-wise bit operations place all eight, two byte permutes interleave them, the hardware
+// converts the e4m3 pairs.
+__device__ __forceinline__ void e2m1x8_to_f16x8(uint32_t w, uint32_t (&o)[4]) {
+  const uint32_t lo = ((w << 2) & 0x1c1c1c1cu) | ((w << 4) & 0x80808080u);  // low nibbles: dims 0, 2, 4, 6
+  const uint32_t hi = ((w >> 2) & 0x1c1c1c1cu) | (w & 0x80808080u);         // high nibbles: dims 1, 3, 5, 7
+  const uint32_t d0123 = __byte_perm(lo, hi, 0x5140u), d4567 = __byte_perm(lo, hi, 0x7362u);
+  o[0] = e4m3x2_to_f16x2(d0123);
+  o[1] = e4m3x2_to_f16x2(d0123 >> 16);
+  o[2] = e4m3x2_to_f16x2(d4567);
+  o[3] = e4m3x2_to_f16x2(d4567 >> 16);
+}
 
 template <KvFormat F>
 struct ChunkIO;
@@ -85,6 +107,27 @@ struct ChunkIO<KvFormat::kFp8> {
     return *reinterpret_cast<const uint32_t*>(&v);
   }
 
+  // The decode kernel's f16 path: each byte pair -> f16x2 by one hardware conversion.
+  static __device__ __forceinline__ void dequant_f16(const uint8_t* stage, uint8_t* tile, int key0, int lane) {
+#pragma unroll
+    for (int i = 0; i < 2 * kKeysPerWarp * 8 / 32; ++i) {
+      const int idx = i * 32 + lane;
+      const int kv = idx >> 7, key = key0 + ((idx >> 3) & 15), unit = idx & 7;
+      const uint4 raw = *reinterpret_cast<const uint4*>(stage + kv * (kChunkKeys * kHeadDim) + key * kHeadDim + unit * 16);
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+      uint32_t o[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        o[2 * j] = e4m3x2_to_f16x2(w[j]);
+        o[2 * j + 1] = e4m3x2_to_f16x2(w[j] >> 16);
+      }
+      uint8_t* dst = tile + kv * kBf16TileBytes;
+      *reinterpret_cast<uint4*>(dst + swizzled_offset(key, 2 * unit)) = make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(dst + swizzled_offset(key, 2 * unit + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+  }
+
+  // The prefill kernel's bf16 path (its query tile is bf16).
   static __device__ __forceinline__ void dequant(const uint8_t* stage, uint8_t* tile, const ChunkRef&, int key0,
                                                  int lane) {
 #pragma unroll
@@ -173,6 +216,47 @@ struct ChunkIO<KvFormat::kNvfp4> {
             const uint32_t pair = table[(word >> (8 * b)) & 0xffu];
             const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair), sf2);
             o[grp * 8 + j * 4 + b] = *reinterpret_cast<const uint32_t*>(&v);
+          }
+        }
+      }
+      uint8_t* dst = tile + kv * kBf16TileBytes;
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        *reinterpret_cast<uint4*>(dst + swizzled_offset(key, 4 * unit + q)) =
+            make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+    }
+  }
+
+  // The decode kernel's f16 path, without a table: e2m1 -> f16 by bit placement and the hardware e4m3 conversion
+  // (value x 2^-6), times the block scale x 2^6 in f16. Exact: e2m1 x e4m3 has at most 6 significant bits and lies
+  // in [2^-10, 2688] (or is 0), inside f16's normal range.
+  static __device__ __forceinline__ void dequant_f16(const uint8_t* stage, uint8_t* tile, const ChunkRef& c, int key0,
+                                                     int lane) {
+    const __half2 k64 = __floats2half2_rn(64.0f, 64.0f);
+#pragma unroll
+    for (int i = 0; i < 2 * kKeysPerWarp * 4 / 32; ++i) {  // 128 units of 16 data bytes = 32 values
+      const int idx = i * 32 + lane;
+      const int kv = idx >> 6, key = key0 + ((idx >> 2) & 15), unit = idx & 3;
+      const uint8_t* half = stage + kv * kHalfBytes;
+      const uint4 raw = *reinterpret_cast<const uint4*>(half + key * (kHeadDim / 2) + unit * 16);
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+      const bool live = key < c.visible;  // scale bytes of invisible keys may hold anything (even NaN)
+      uint32_t o[16];
+#pragma unroll
+      for (int grp = 0; grp < 2; ++grp) {
+        const int group = 2 * unit + grp;  // 16-value group 0..7
+        const int scale_off = kv == 0 ? key * 8 + group : (key >> 2) * 32 + 4 * group + (key & 3);
+        const uint32_t sf_byte = half[T::kDataBytes + scale_off];
+        const uint32_t sf_bits = e4m3x2_to_f16x2(sf_byte | (sf_byte << 8));
+        const __half2 sf2 = live ? __hmul2(*reinterpret_cast<const __half2*>(&sf_bits), k64) : __half2{};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          uint32_t v[4];
+          e2m1x8_to_f16x8(w[2 * grp + j], v);
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&v[b]), sf2);
+            o[grp * 8 + j * 4 + b] = *reinterpret_cast<const uint32_t*>(&x);
           }
         }
       }

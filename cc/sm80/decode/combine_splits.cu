@@ -2,7 +2,7 @@
 // num_splits > 1).
 #include <cuda_bf16.h>
 
-#include "sm80/common/bf16_pack.cuh"
+#include "sm80/common/register_pack.cuh"
 #include "sm80/decode/config.h"
 #include "sm80/decode/decode.h"
 

@@ -1,9 +1,11 @@
 // Warp-MMA (sm_80+) sparse decode: traits (tiles, pipeline depth, shared-memory plan) per KV-cache format.
 //
 // Work unit (one CTA): query token t, KV head g, split s of t's valid selected blocks.
-//   MMA rows  : the G <= 16 query heads of (t, g), zero padded to 16 (mma.sync m16n8k16, bf16 -> fp32)
+//   MMA rows  : the G <= 16 query heads of (t, g), zero padded to 16 (mma.sync m16n8k16, bf16 or f16 -> fp32)
 //   pipeline  : chunks of 64 keys (half a block) of K and V, cp.async (zero-fill past the visible keys),
-//               kStages deep; FP8 / NVFP4 chunks are dequantized to bf16 in shared memory before the MMAs
+//               kStages deep; FP8 and NVFP4 chunks are converted to f16 in shared memory before the MMAs (exact:
+//               hardware e4m3 -> f16 conversion on sm_89+, e2m1 placed as e4m3 by bit operations), so their MMAs
+//               take f16 operands (kOperand; the query is scaled into f16 per row), bf16 caches bf16 ones
 //   warps     : 4; warp w owns keys [16w, 16w + 16) of every chunk and keeps its own online softmax
 //               (m, l, O); a warp also loads and dequantizes only its own rows, so the main loop has no
 //               CTA-wide barrier; the 4 warps merge through shared memory at the end
@@ -12,6 +14,7 @@
 #include <cstdint>
 
 #include "common/kv_format.h"
+#include "sm80/common/warp_mma.cuh"
 
 namespace jax_msa::sm80::decode {
 
@@ -36,6 +39,7 @@ struct FormatTraits<KvFormat::kBf16> {
   static constexpr int kStages = 3;
   static constexpr int kStageBytes = 2 * kBf16TileBytes;  // K | V, swizzled bf16 (read by ldmatrix)
   static constexpr bool kNeedsDequant = false;
+  static constexpr MmaOperand kOperand = MmaOperand::kBf16;
 };
 
 template <>
@@ -43,6 +47,7 @@ struct FormatTraits<KvFormat::kFp8> {
   static constexpr int kStages = 4;
   static constexpr int kStageBytes = 2 * kChunkKeys * kHeadDim;  // K | V, raw e4m3 rows of 128 B
   static constexpr bool kNeedsDequant = true;
+  static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
 };
 
 template <>
@@ -53,9 +58,10 @@ struct FormatTraits<KvFormat::kNvfp4> {
   static constexpr int kStages = 6;
   static constexpr int kStageBytes = 2 * (kDataBytes + kScaleBytes);
   static constexpr bool kNeedsDequant = true;
+  static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
 };
 
-// Shared-memory plan: [stages][scratch bf16 K|V when dequantizing][chunk table][block list]
+// Shared-memory plan: [stages][scratch 16-bit K|V when dequantizing][chunk table][block list]
 template <KvFormat F>
 struct SharedPlan {
   using T = FormatTraits<F>;

@@ -7,14 +7,27 @@
 #include <cute/arch/copy_sm80.hpp>
 
 #include "common/params.h"
+#include "sm80/common/online_softmax.cuh"
 #include "sm80/common/warp_mma.cuh"
 #include "sm80/decode/chunk_io.cuh"
 #include "sm80/decode/config.h"
 
 namespace jax_msa::sm80::decode {
 
+// Two consecutive query elements (row, d..d+1) as floats (the f16 path); rows past the group are zero.
+__device__ __forceinline__ float2 load_q_pair(const DecodeParams& p, int64_t row_base, int row, int group, int d) {
+  if (row >= group) return make_float2(0.0f, 0.0f);
+  const int64_t off = (row_base + row) * kHeadDim + d;
+  if (p.q_is_fp8) {
+    const uint8_t* q = static_cast<const uint8_t*>(p.q) + off;
+    return make_float2(e4m3_to_float(q[0]), e4m3_to_float(q[1]));  // q_scale is folded into the softmax scale
+  }
+  const uint32_t bits = *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + off);
+  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+}
+
 // Two consecutive query elements (row, d..d+1) as bf16x2; rows past the group are zero.
-__device__ __forceinline__ uint32_t load_q_pair(const DecodeParams& p, int64_t row_base, int row, int group, int d) {
+__device__ __forceinline__ uint32_t load_q_bf16x2(const DecodeParams& p, int64_t row_base, int row, int group, int d) {
   if (row >= group) return 0u;
   const int64_t off = (row_base + row) * kHeadDim + d;
   if (p.q_is_fp8) {
@@ -22,6 +35,59 @@ __device__ __forceinline__ uint32_t load_q_pair(const DecodeParams& p, int64_t r
     return pack_bf16x2(e4m3_to_float(q[0]), e4m3_to_float(q[1]));  // exact; q_scale is folded
   }
   return *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + off);
+}
+
+// Q as the A operand of 8 k-steps of 16 dims, rows lane / 4 (registers 0, 2) and lane / 4 + 8 (1, 3). bf16: the
+// values as they are (row_factor 1). f16: each row times 2^s with s chosen from the row's largest magnitude so that
+// it lands in [2^14, 2^15) (f16's top binade; every bf16 value then keeps its 8 significant bits unless it is
+// 2^-38 times smaller than that largest one), and row_factor = 2^-s undoes it on the scores.
+template <MmaOperand Op>
+__device__ __forceinline__ void load_q_fragments(const DecodeParams& p, int64_t row_base, int group, int lane,
+                                                 uint32_t (&qf)[8][4], float (&row_factor)[2]) {
+  const int r0 = lane >> 2, c2 = (lane & 3) * 2;
+  row_factor[0] = row_factor[1] = 1.0f;
+  if constexpr (Op == MmaOperand::kBf16) {
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      qf[ks][0] = load_q_bf16x2(p, row_base, r0, group, ks * 16 + c2);
+      qf[ks][1] = load_q_bf16x2(p, row_base, r0 + 8, group, ks * 16 + c2);
+      qf[ks][2] = load_q_bf16x2(p, row_base, r0, group, ks * 16 + 8 + c2);
+      qf[ks][3] = load_q_bf16x2(p, row_base, r0 + 8, group, ks * 16 + 8 + c2);
+    }
+  } else {
+    float2 v[8][4];
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      v[ks][0] = load_q_pair(p, row_base, r0, group, ks * 16 + c2);
+      v[ks][1] = load_q_pair(p, row_base, r0 + 8, group, ks * 16 + c2);
+      v[ks][2] = load_q_pair(p, row_base, r0, group, ks * 16 + 8 + c2);
+      v[ks][3] = load_q_pair(p, row_base, r0 + 8, group, ks * 16 + 8 + c2);
+    }
+    float mul[2];
+    {
+      float amax[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) amax[j & 1] = fmaxf(amax[j & 1], fmaxf(fabsf(v[ks][j].x), fabsf(v[ks][j].y)));
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
+        amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
+        const int biased = int(__float_as_uint(amax[r]) >> 23) & 0xff;  // 0: zero or subnormal; 255: inf / nan
+        const int s = biased == 0 || biased == 255 ? 0 : 14 - (biased - 127);  // in [-113, 140]
+        const int s_mul = min(s, 126);  // 2^s and 2^-s both normal floats (a tinier row stays below 2^14)
+        mul[r] = __uint_as_float(uint32_t(s_mul + 127) << 23);
+        row_factor[r] = __uint_as_float(uint32_t(127 - s_mul) << 23);
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) qf[ks][j] = pack_operand_x2<Op>(v[ks][j].x * mul[j & 1], v[ks][j].y * mul[j & 1]);
+    }
+  }
 }
 
 template <KvFormat F>
@@ -32,7 +98,6 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
   __shared__ ChunkRef s_chunks[kMaxChunks];
   __shared__ int s_num_chunks;
   __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
-  __shared__ uint32_t s_table[F == KvFormat::kNvfp4 ? 256 : 1];  // NVFP4: byte -> two bf16 values
 
   const int split = blockIdx.x, g = blockIdx.y, t = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -70,11 +135,11 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
     }
     if (lane == 0) s_num_chunks = __popc(mine_mask) + __popc(second_mask);
   }
-  if constexpr (F == KvFormat::kNvfp4) ChunkIO<F>::build_table(s_table);
   __syncthreads();
   const int n_chunks = s_num_chunks;
 
   // ---- 2. scales: q_scale and k_scale fold into the softmax scale (log2 units), v_scale into the output
+  constexpr MmaOperand kOp = Traits::kOperand;
   const bool quantized = F != KvFormat::kBf16;
   const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
   const float k_scale = quantized ? p.scales[kKScale] : 1.0f;
@@ -85,18 +150,15 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
   const int r0 = lane >> 2, c2 = (lane & 3) * 2;
   const int64_t q_row_base = int64_t(t) * p.num_q_heads + int64_t(g) * group;
   uint32_t qf[8][4];
-#pragma unroll
-  for (int ks = 0; ks < 8; ++ks) {
-    qf[ks][0] = load_q_pair(p, q_row_base, r0, group, ks * 16 + c2);
-    qf[ks][1] = load_q_pair(p, q_row_base, r0 + 8, group, ks * 16 + c2);
-    qf[ks][2] = load_q_pair(p, q_row_base, r0, group, ks * 16 + 8 + c2);
-    qf[ks][3] = load_q_pair(p, q_row_base, r0 + 8, group, ks * 16 + 8 + c2);
-  }
+  float row_scale[2];
+  load_q_fragments<kOp>(p, q_row_base, group, lane, qf, row_scale);
+  row_scale[0] *= scale_log2;
+  row_scale[1] *= scale_log2;
 
   float acc[16][4];  // O: 16 n-tiles of 8 dims; [0,1] row r0, [2,3] row r0 + 8
 #pragma unroll
   for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  OnlineSoftmax softmax;
 
   uint8_t* stages = smem + Plan::kStagesOffset;
   uint8_t* scratch = smem + Plan::kScratchOffset;
@@ -117,13 +179,13 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
     if (next < n_chunks) ChunkIO<F>::load(stage_ptr(next), p.kv_cache, p.num_kv_heads, g, s_chunks[next], key0, lane);
     cute::cp_async_fence();
     const ChunkRef ref = s_chunks[c];
-    const uint8_t* tile;  // swizzled bf16 K | V of this chunk
+    const uint8_t* tile;  // swizzled 16-bit (kOp) K | V of this chunk
     if constexpr (F == KvFormat::kNvfp4) {
-      ChunkIO<F>::dequant(stage_ptr(c), scratch, ref, key0, lane, s_table);
+      ChunkIO<F>::dequant_f16(stage_ptr(c), scratch, ref, key0, lane);
       __syncwarp();
       tile = scratch;
     } else if constexpr (F == KvFormat::kFp8) {
-      ChunkIO<F>::dequant(stage_ptr(c), scratch, ref, key0, lane);
+      ChunkIO<F>::dequant_f16(stage_ptr(c), scratch, key0, lane);
       __syncwarp();
       tile = scratch;
     } else {
@@ -141,53 +203,24 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
       for (int ks = 0; ks < 8; ++ks) {
         uint32_t b00, b01, b10, b11;
         ldsm_x4(k_tile + swizzled_offset(key, 2 * ks + unit_hi), b00, b01, b10, b11);
-        mma_bf16(s[0], qf[ks], b00, b01);
-        mma_bf16(s[1], qf[ks], b10, b11);
+        mma_16x8x16<kOp>(s[0], qf[ks], b00, b01);
+        mma_16x8x16<kOp>(s[1], qf[ks], b10, b11);
       }
     }
-    // mask past the visible keys, online softmax per row (log2 units)
-    float m_new[2] = {m_run[0], m_run[1]};
+    // mask past the visible keys, scale to log2 units, online softmax per row
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + nt * 8 + c2 + (e & 1);
-        const float x = key < ref.visible ? s[nt][e] * scale_log2 : -INFINITY;
-        s[nt][e] = x;
-        m_new[e >> 1] = fmaxf(m_new[e >> 1], x);
+        s[nt][e] = key < ref.visible ? s[nt][e] * row_scale[e >> 1] : -INFINITY;
       }
     }
     float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
-      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
-      alpha[r] = m_new[r] == -INFINITY ? 1.0f : exp2f(m_run[r] - m_new[r]);
-      m_run[r] = m_new[r];
-    }
-    float row_sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float base = m_run[e >> 1] == -INFINITY ? 0.0f : m_run[e >> 1];
-        const float pr = exp2f(s[nt][e] - base);
-        s[nt][e] = pr;
-        row_sum[e >> 1] += pr;
-      }
-    }
-    l_run[0] = l_run[0] * alpha[0] + row_sum[0];
-    l_run[1] = l_run[1] * alpha[1] + row_sum[1];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      acc[i][0] *= alpha[0];
-      acc[i][1] *= alpha[0];
-      acc[i][2] *= alpha[1];
-      acc[i][3] *= alpha[1];
-    }
+    if (softmax.update(s, alpha)) rescale_rows(acc, alpha);
     // O += P V: P as the A operand (keys = k), V^T tiles via ldmatrix.trans
-    const uint32_t pa[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
-                            pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
+    const uint32_t pa[4] = {pack_operand_x2<kOp>(s[0][0], s[0][1]), pack_operand_x2<kOp>(s[0][2], s[0][3]),
+                            pack_operand_x2<kOp>(s[1][0], s[1][1]), pack_operand_x2<kOp>(s[1][2], s[1][3])};
     {
       const int key = key0 + (((lane >> 3) & 1) << 3) + (lane & 7);
       const int unit_hi = lane >> 4;
@@ -195,26 +228,22 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
       for (int dn = 0; dn < 16; dn += 2) {
         uint32_t b00, b01, b10, b11;
         ldsm_x4_t(v_tile + swizzled_offset(key, dn + unit_hi), b00, b01, b10, b11);
-        mma_bf16(acc[dn], pa, b00, b01);
-        mma_bf16(acc[dn + 1], pa, b10, b11);
+        mma_16x8x16<kOp>(acc[dn], pa, b00, b01);
+        mma_16x8x16<kOp>(acc[dn + 1], pa, b10, b11);
       }
     }
   }
   cute::cp_async_wait<0>();
 
   // ---- 5. merge the 4 warps' (m, l, O) through shared memory
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
+  softmax.reduce_row_sums();
   __syncthreads();  // every warp is done with the stages: reuse them for the partial outputs
   float* merge = reinterpret_cast<float*>(smem);  // [warp][row][d]
   if ((lane & 3) == 0) {
-    s_m[warp][r0] = m_run[0];
-    s_m[warp][r0 + 8] = m_run[1];
-    s_l[warp][r0] = l_run[0];
-    s_l[warp][r0 + 8] = l_run[1];
+    s_m[warp][r0] = softmax.m[0];
+    s_m[warp][r0 + 8] = softmax.m[1];
+    s_l[warp][r0] = softmax.l[0];
+    s_l[warp][r0 + 8] = softmax.l[1];
   }
 #pragma unroll
   for (int i = 0; i < 16; ++i) {

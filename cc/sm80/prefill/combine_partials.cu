@@ -3,7 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "common/plan_view.h"
-#include "sm80/common/bf16_pack.cuh"
+#include "sm80/common/register_pack.cuh"
 #include "sm80/prefill/config.h"
 #include "sm80/prefill/prefill.h"
 

@@ -6,9 +6,10 @@
 #include <cute/arch/copy_sm80.hpp>
 
 #include "common/params.h"
+#include "sm80/common/online_softmax.cuh"
 #include "sm80/common/warp_mma.cuh"
 #include "common/plan_view.h"
-#include "sm80/common/bf16_pack.cuh"
+#include "sm80/common/register_pack.cuh"
 #include "sm80/decode/chunk_io.cuh"
 #include "sm80/prefill/config.h"
 
@@ -129,7 +130,7 @@ __device__ __forceinline__ void attend_tile(const PrefillParams& p, const PlanVi
   float acc[16][4];
 #pragma unroll
   for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  OnlineSoftmax softmax;
 
   const int n_slices = (tile_visible + kSliceKeys - 1) / kSliceKeys;
   for (int sl = 0; sl < n_slices; ++sl) {
@@ -153,46 +154,17 @@ __device__ __forceinline__ void attend_tile(const PrefillParams& p, const PlanVi
         mma_bf16(s[2 * np + 1], qa, b10, b11);
       }
     }
-    // causal mask (key of the block <= the row's position) and online softmax, log2 units
-    float m_new[2] = {m_run[0], m_run[1]};
+    // causal mask (key of the block <= the row's position), log2 units, online softmax
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = sl * kSliceKeys + nt * 8 + c2 + (e & 1);
-        const float x = key < vis[e >> 1] ? s[nt][e] * scale_log2 : -INFINITY;
-        s[nt][e] = x;
-        m_new[e >> 1] = fmaxf(m_new[e >> 1], x);
+        s[nt][e] = key < vis[e >> 1] ? s[nt][e] * scale_log2 : -INFINITY;
       }
     }
     float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
-      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
-      alpha[r] = m_new[r] == -INFINITY ? 1.0f : exp2f(m_run[r] - m_new[r]);
-      m_run[r] = m_new[r];
-    }
-    float row_sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float base = m_run[e >> 1] == -INFINITY ? 0.0f : m_run[e >> 1];
-        const float pr = exp2f(s[nt][e] - base);
-        s[nt][e] = pr;
-        row_sum[e >> 1] += pr;
-      }
-    }
-    l_run[0] = l_run[0] * alpha[0] + row_sum[0];
-    l_run[1] = l_run[1] * alpha[1] + row_sum[1];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      acc[i][0] *= alpha[0];
-      acc[i][1] *= alpha[0];
-      acc[i][2] *= alpha[1];
-      acc[i][3] *= alpha[1];
-    }
+    if (softmax.update(s, alpha)) rescale_rows(acc, alpha);
     // O += P V over the slice: 2 k-steps of 16 keys x 16 n-tiles of 8 dims
 #pragma unroll
     for (int np = 0; np < 2; ++np) {
@@ -211,11 +183,7 @@ __device__ __forceinline__ void attend_tile(const PrefillParams& p, const PlanVi
   }
 
   // ---- 4. normalized partials at the plan's slots
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
+  softmax.reduce_row_sums();
   const int num_kv = p.num_kv_heads;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -224,13 +192,13 @@ __device__ __forceinline__ void attend_tile(const PrefillParams& p, const PlanVi
     const int qi = r == 0 ? qi0 : qi1;
     const int head_in_group = (r == 0 ? row0 : row1) % group;
     const int64_t slot = plan.partial_index(tq.query[qi], g, tq.rank[qi], num_kv) * group + head_in_group;
-    const bool empty = !(l_run[r] > 0.0f);
-    const float inv = empty ? 0.0f : v_scale / l_run[r];
+    const bool empty = !(softmax.l[r] > 0.0f);
+    const float inv = empty ? 0.0f : v_scale / softmax.l[r];
     uint16_t* dst = static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim + c2;  // bf16 partials
 #pragma unroll
     for (int i = 0; i < 16; ++i)
       *reinterpret_cast<uint32_t*>(dst + i * 8) = pack_bf16x2(acc[i][2 * r] * inv, acc[i][2 * r + 1] * inv);
-    if ((lane & 3) == 0) p.partial_lse[slot] = empty ? -INFINITY : (m_run[r] + log2f(l_run[r])) * kLn2;
+    if ((lane & 3) == 0) p.partial_lse[slot] = empty ? -INFINITY : (softmax.m[r] + log2f(softmax.l[r])) * kLn2;
   }
 }
 
