@@ -17,4 +17,8 @@ set(JAX_MSA_CUDA_SOURCES
   cc/sm80/prefill/prefill_bf16_pipelined.cu
   cc/sm80/prefill/prefill_fp8.cu
   cc/sm80/prefill/prefill_nvfp4.cu
+  cc/sm100/prefill/prefill_dispatch.cu
+  cc/sm100/prefill/prefill_bf16.cu
+  cc/sm100/prefill/prefill_fp8.cu
+  cc/sm100/prefill/prefill_nvfp4.cu
 )

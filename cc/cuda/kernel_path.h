@@ -2,8 +2,9 @@
 //
 //   compute capability        kernels
 //   < 8.0                     none: the handler returns a clear error (mma.sync bf16 and cp.async need sm_80)
-//   10.0 / 10.3 (Blackwell)   tcgen05 kernels when built and JAX_MSA_ENABLE_SM100_KERNELS=1 (none are built yet),
-//                             otherwise the warp-MMA kernels
+//   10.0 / 10.3 (Blackwell)   with JAX_MSA_ENABLE_SM100_KERNELS=1 and a build for sm_100a / sm_103a: the tcgen05
+//                             prefill (cc/sm100, UNVERIFIED: never run) and the warp-MMA decode; otherwise the
+//                             warp-MMA kernels
 //   any other >= 8.0          the warp-MMA kernels of cc/sm80 (mma.sync m16n8k16 + cp.async + ldmatrix). On sm_90
 //                             (H200) these are the kernels the GPU tests verify and the benchmarks measure.
 //
@@ -16,8 +17,12 @@ namespace jax_msa::cuda {
 
 enum class KernelPath : int { kUnsupported = 0, kWarpMma = 1, kSm100 = 2 };
 
-// This build holds no tcgen05 (sm_100a) attention kernels yet.
-constexpr bool kSm100KernelsBuilt = false;
+// Whether this build's architecture list holds sm_100a or sm_103a, for which the tcgen05 kernels have a body (set by
+// CMakeLists.txt).
+#ifndef JAX_MSA_SM100_KERNELS_BUILT
+#define JAX_MSA_SM100_KERNELS_BUILT 0
+#endif
+constexpr bool kSm100KernelsBuilt = JAX_MSA_SM100_KERNELS_BUILT != 0;
 
 constexpr KernelPath select_kernel_path(int major, int minor, bool sm100_kernels_built, bool sm100_enabled) {
   if (major < 8) return KernelPath::kUnsupported;

@@ -27,7 +27,7 @@ ffi::Error decode_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                                       partial_lse, softmax_scale, kv_format, decode_query_len);
       e.failure())
     return e;
-  jax_msa::cuda::KernelPath path;  // kWarpMma: the only family built today (kernel_path.h)
+  jax_msa::cuda::KernelPath path;  // every path decodes with the warp-MMA kernel (no tcgen05 decode yet)
   if (auto e = fb::select_attention_kernels("decode", &path); e.failure()) return e;
   const char* why = nullptr;
   if (!jax_msa::sm80::decode::decode_supports(p, &why))

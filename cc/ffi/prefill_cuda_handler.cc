@@ -1,5 +1,6 @@
 // XLA FFI handler of jax_msa_prefill for platform CUDA: binds the buffers (plan included) into PrefillParams
-// and launches the warp-MMA prefill and combine kernels (cc/sm80) on XLA's stream. No host sync, no allocation (the partials
+// and launches the prefill and combine kernels on XLA's stream: the warp-MMA ones (cc/sm80), or the tcgen05 prefill
+// (cc/sm100, unverified) where the dispatch table selects it. No host sync, no allocation (the partials
 // arrive as extra results), so it is safe inside XLA command buffers.
 #include <cuda_runtime.h>
 
@@ -10,6 +11,7 @@
 #include "ffi/cuda_handlers.h"
 #include "ffi/debug_poison.h"
 #include "ffi/kernel_path_check.h"
+#include "sm100/prefill/prefill.h"
 #include "sm80/prefill/prefill.h"
 
 namespace ffi = xla::ffi;
@@ -31,16 +33,21 @@ ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
       e.failure())
     return e;
   if (p.total_q > 0 && !p.partial_o_bf16) return fb::invalid("the CUDA prefill handler takes bf16 partial_o");
-  jax_msa::cuda::KernelPath path;  // kWarpMma: the only family built today (kernel_path.h)
+  jax_msa::cuda::KernelPath path;
   if (auto e = fb::select_attention_kernels("prefill", &path); e.failure()) return e;
+  const bool tcgen05 = path == jax_msa::cuda::KernelPath::kSm100;
   const char* why = nullptr;
-  if (!jax_msa::sm80::prefill::prefill_supports(p, &why))
+  const bool supported = tcgen05 ? jax_msa::sm100::prefill::prefill_supports(p, &why)
+                                 : jax_msa::sm80::prefill::prefill_supports(p, &why);
+  if (!supported)
     return fb::invalid(std::string("the CUDA prefill kernel does not serve this call: ") + why);
   for (auto [ptr, bytes] : {std::pair<void*, size_t>{p.out, out->size_bytes()}, {p.lse, lse->size_bytes()},
                             {p.partial_o, partial_o->size_bytes()}, {p.partial_lse, partial_lse->size_bytes()}})
     if (cudaError_t e = fb::poison(ptr, bytes, stream); e != cudaSuccess)
       return ffi::Error::Internal(std::string("jax_msa prefill poison failed: ") + cudaGetErrorString(e));
-  if (cudaError_t e = jax_msa::sm80::prefill::sparse_prefill(p, stream); e != cudaSuccess)
+  if (cudaError_t e = tcgen05 ? jax_msa::sm100::prefill::sparse_prefill(p, stream)
+                               : jax_msa::sm80::prefill::sparse_prefill(p, stream);
+      e != cudaSuccess)
     return fb::launch_failure("prefill", e);
   return ffi::Error::Success();
 }

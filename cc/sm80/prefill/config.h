@@ -28,7 +28,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = 16;
 constexpr int kTileRows = kWarps * kRowsPerWarp;  // 128 MMA rows: queries_per_tile * G <= 128
-constexpr int kMaxTileQueries = 128;              // G = 1 packs 128 queries
 constexpr int kSliceKeys = 32;                    // keys of one softmax / MMA step
 constexpr int kCtasPerSm = 2;
 

@@ -9,16 +9,23 @@
 #include "sm80/common/online_softmax.cuh"
 #include "sm80/common/warp_mma.cuh"
 #include "common/plan_view.h"
+#include "cuda/prefill_work_item.cuh"
 #include "sm80/common/register_pack.cuh"
 #include "sm80/decode/chunk_io.cuh"
 #include "sm80/prefill/config.h"
 
 namespace jax_msa::sm80::prefill {
 
+using cuda::gather_tile_queries;
+using cuda::ItemView;
+using cuda::tile_visible_keys;
+using cuda::TileQueries;
 using decode::ChunkIO;
 using decode::ChunkRef;
 using decode::kBf16RowBytes;
 using decode::swizzled_offset;
+
+static_assert(kTileRows == cuda::kMaxTileRows, "one query tile = one plan work item of <= 128 rows");
 
 // Gathers the tile's query rows (row R = i * G + h: token s_query[i], head g * G + h) into the swizzled bf16 query
 // tile; rows past the tile are zero. bf16 q: cp.async (the caller fences and waits); FP8 q: the raw e4m3 values,
@@ -53,52 +60,6 @@ __device__ __forceinline__ void load_query_tile(uint8_t* q_tile, const PrefillPa
       decode::cp_async_16(dst, static_cast<const uint16_t*>(p.q) + elem, valid);
     }
   }
-}
-
-// The tile's queries (<= 128 / G tokens that selected the block): token, partial slot (rank), and how many keys of
-// the block each one sees (causal).
-struct TileQueries {
-  int query[kMaxTileQueries], rank[kMaxTileQueries], visible[kMaxTileQueries];
-};
-
-// One work item of the plan and the block it names.
-struct ItemView {
-  WorkItem item;
-  int group, count, block_key0, n_keys;
-  int64_t page;
-  bool page_ok;
-
-  static __device__ __forceinline__ ItemView make(const PrefillParams& p, const PlanView& plan, int w) {
-    ItemView v;
-    v.item = plan.item(w);
-    v.group = p.num_q_heads / p.num_kv_heads;
-    v.count = min(v.item.edge_count, kTileRows / v.group);
-    v.block_key0 = v.item.block * kPageSize;
-    v.n_keys = max(0, min(kPageSize, p.seq_lens[v.item.request] - v.block_key0));
-    v.page = p.block_table[int64_t(v.item.request) * p.max_blocks + v.item.block];
-    v.page_ok = v.page >= 0 && v.page < p.num_pages;
-    return v;
-  }
-};
-
-// Step 1 (threads < count; the caller synchronizes before tq is read).
-__device__ __forceinline__ void gather_tile_queries(TileQueries& tq, const PrefillParams& p, const PlanView& plan,
-                                                    const ItemView& v) {
-  if (threadIdx.x < v.count) {
-    const int e = v.item.edge_begin + threadIdx.x;
-    const int t = plan.query(v.item.head, e);
-    tq.query[threadIdx.x] = t;
-    tq.rank[threadIdx.x] = plan.rank(v.item.head, e);
-    const int pos = query_position(p.cu_seqlens_q, p.seq_lens, v.item.request, t);
-    tq.visible[threadIdx.x] = v.page_ok ? max(0, min(v.n_keys, pos - v.block_key0 + 1)) : 0;
-  }
-}
-
-// Keys any query of the tile sees: the loads stop there (zero-filled beyond).
-__device__ __forceinline__ int tile_visible_keys(const TileQueries& tq, int count) {
-  int visible = 0;
-  for (int i = 0; i < count; ++i) visible = max(visible, tq.visible[i]);
-  return visible;
 }
 
 // Steps 3 and 4: every warp attends its 16 rows of the query tile (swizzled bf16 in shared memory) over the

@@ -1,0 +1,61 @@
+// One work item of the KV-block-major prefill plan as every prefill kernel sees it (warp-MMA and tcgen05 alike): the
+// item and its block (ItemView), the tile's queries with their partial slots and causal visibility (TileQueries).
+// Reads the plan only through PlanView.
+#pragma once
+#include <cstdint>
+
+#include "common/kv_format.h"
+#include "common/params.h"
+#include "common/plan_view.h"
+
+namespace jax_msa::cuda {
+
+constexpr int kMaxTileRows = 128;  // MMA rows of a tile: queries_per_tile * G <= 128 (G = 1 packs 128 queries)
+
+// The tile's queries (<= 128 / G tokens that selected the block): token, partial slot (rank), and how many keys of
+// the block each one sees (causal).
+struct TileQueries {
+  int query[kMaxTileRows], rank[kMaxTileRows], visible[kMaxTileRows];
+};
+
+// One work item of the plan and the block it names.
+struct ItemView {
+  WorkItem item;
+  int group, count, block_key0, n_keys;
+  int64_t page;
+  bool page_ok;
+
+  static __device__ __forceinline__ ItemView make(const PrefillParams& p, const PlanView& plan, int w) {
+    ItemView v;
+    v.item = plan.item(w);
+    v.group = p.num_q_heads / p.num_kv_heads;
+    v.count = min(v.item.edge_count, kMaxTileRows / v.group);
+    v.block_key0 = v.item.block * kPageSize;
+    v.n_keys = max(0, min(kPageSize, p.seq_lens[v.item.request] - v.block_key0));
+    v.page = p.block_table[int64_t(v.item.request) * p.max_blocks + v.item.block];
+    v.page_ok = v.page >= 0 && v.page < p.num_pages;
+    return v;
+  }
+};
+
+// Step 1 (threads < count; the caller synchronizes before tq is read).
+__device__ __forceinline__ void gather_tile_queries(TileQueries& tq, const PrefillParams& p, const PlanView& plan,
+                                                    const ItemView& v) {
+  if (threadIdx.x < v.count) {
+    const int e = v.item.edge_begin + threadIdx.x;
+    const int t = plan.query(v.item.head, e);
+    tq.query[threadIdx.x] = t;
+    tq.rank[threadIdx.x] = plan.rank(v.item.head, e);
+    const int pos = query_position(p.cu_seqlens_q, p.seq_lens, v.item.request, t);
+    tq.visible[threadIdx.x] = v.page_ok ? max(0, min(v.n_keys, pos - v.block_key0 + 1)) : 0;
+  }
+}
+
+// Keys any query of the tile sees: the loads stop there (zero-filled beyond).
+__device__ __forceinline__ int tile_visible_keys(const TileQueries& tq, int count) {
+  int visible = 0;
+  for (int i = 0; i < count; ++i) visible = max(visible, tq.visible[i]);
+  return visible;
+}
+
+}  // namespace jax_msa::cuda

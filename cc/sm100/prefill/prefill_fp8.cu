@@ -1,0 +1,6 @@
+// tcgen05 (sm_100a) prefill, fp8 KV cache: the one explicit instantiation of this translation unit (UNVERIFIED).
+#include "sm100/prefill/prefill_launch.cuh"
+
+namespace jax_msa::sm100::prefill {
+template cudaError_t launch_sparse_prefill<KvFormat::kFp8>(const PrefillParams& p, cudaStream_t stream);
+}  // namespace jax_msa::sm100::prefill

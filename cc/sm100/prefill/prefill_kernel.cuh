@@ -1,0 +1,208 @@
+// tcgen05 (sm_100a) sparse prefill kernel, UNVERIFIED (see config.h): one plan work item a CTA; writes one normalized
+// bf16 partial and its lse per (query, selected block), merged afterwards by the shared combine kernel. Reads the
+// plan only through PlanView / cuda::ItemView. On any other architecture the kernel body is empty (it is never
+// launched there: the dispatch picks it only on compute capability 10.x).
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cute/arch/copy_sm100.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/tmem_allocator_sm100.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "common/params.h"
+#include "common/plan_view.h"
+#include "cuda/prefill_work_item.cuh"
+#include "sm100/prefill/config.h"
+#include "sm100/prefill/operand_load.cuh"
+
+namespace jax_msa::sm100::prefill {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+#if defined(CUTE_ARCH_TCGEN05_F16F32_MMA_ENABLED) && defined(CUTE_ARCH_TCGEN05_TMEM_ENABLED)
+#define JAX_MSA_SM100_TCGEN05 1
+
+// Ordering of tcgen05 operations around thread synchronization (PTX: tcgen05.fence).
+__device__ __forceinline__ void tcgen05_before_thread_sync() {
+  asm volatile("tcgen05.fence::before_thread_sync;" ::: "memory");
+}
+__device__ __forceinline__ void tcgen05_after_thread_sync() {
+  asm volatile("tcgen05.fence::after_thread_sync;" ::: "memory");
+}
+
+// 32 consecutive fp32 columns of this thread's TMEM lane (the warp's lane quarter), waited for.
+__device__ __forceinline__ void tmem_load_row32(uint32_t taddr, float (&x)[32]) {
+  uint32_t r[32];
+  cute::SM100_TMEM_LOAD_32dp32b32x::copy(taddr, r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10],
+                                         r[11], r[12], r[13], r[14], r[15], r[16], r[17], r[18], r[19], r[20], r[21],
+                                         r[22], r[23], r[24], r[25], r[26], r[27], r[28], r[29], r[30], r[31]);
+  cutlass::arch::fence_view_async_tmem_load();
+#pragma unroll
+  for (int j = 0; j < 32; ++j) x[j] = __uint_as_float(r[j]);
+}
+#endif
+
+template <KvFormat F>
+__global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(const PrefillParams p) {
+#if defined(JAX_MSA_SM100_TCGEN05)
+  using namespace cute;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ cuda::TileQueries s_tq;
+  __shared__ alignas(8) uint64_t s_mma_done;
+  __shared__ uint32_t s_tmem_base;
+
+  const PlanView plan = PlanView::from(p);
+  if (int(blockIdx.x) >= plan.work_count()) return;  // static-capacity grid: the count is read on device
+  const cuda::ItemView v = cuda::ItemView::make(p, plan, blockIdx.x);
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int g = v.item.head, group = v.group;
+
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + SharedPlan::kAlign - 1) &
+                                             ~uintptr_t(SharedPlan::kAlign - 1));
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kQOffset)), LayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kKOffset)), LayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kVOffset)), LayoutV{});
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kPOffset)), LayoutP{});
+
+  // ---- 1. the tile's queries; TMEM (warp 0) and the MMA barrier
+  cuda::gather_tile_queries(s_tq, p, plan, v);
+  using TmemAllocator = cute::TMEM::Allocator1Sm;
+  if (warp == 0) {
+    TmemAllocator alloc{};
+    alloc.allocate(TmemPlan::kColumns, &s_tmem_base);
+    alloc.release_allocation_lock();  // another CTA on this SM may allocate the rest
+  }
+  if (tid == 0) {
+    cute::initialize_barrier(s_mma_done, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  tcgen05_before_thread_sync();
+  __syncthreads();
+  tcgen05_after_thread_sync();
+  const uint32_t tmem = s_tmem_base;
+  const int tile_visible = cuda::tile_visible_keys(s_tq, v.count);
+
+  // ---- 2. operands into shared memory (generic proxy), then visible to the tensor cores (async proxy)
+  load_block<F>(sK, sV, p, v, tile_visible);
+  load_query_tile(sQ, p, s_tq, v.count, group, g);
+  cutlass::arch::fence_view_async_shared();
+  __syncthreads();
+
+  // ---- 3. S = Q K^T into TMEM columns [0, 128): one warp issues (one elected lane inside the MMA atom)
+  MmaQK mma_qk;
+  if (warp == 0) {
+    tcgen05_after_thread_sync();
+    auto thr = mma_qk.get_slice(0);
+    Tensor tSrQ = thr.make_fragment_A(sQ);
+    Tensor tSrK = thr.make_fragment_B(sK);
+    Tensor tStS = partition_fragment_C(mma_qk, TileShape{});
+    tStS.data() = tmem + TmemPlan::kSColumn;
+    mma_qk.accumulate_ = UMMA::ScaleOut::Zero;
+#pragma unroll
+    for (int k = 0; k < size<2>(tSrQ); ++k) {
+      gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tStS);
+      mma_qk.accumulate_ = UMMA::ScaleOut::One;
+    }
+    cutlass::arch::umma_arrive(&s_mma_done);
+  }
+  cute::wait_barrier(s_mma_done, kSReady);
+  tcgen05_after_thread_sync();
+
+  // ---- 4. softmax of row R = tid over the keys its query sees (log2 units), P (bf16) into sP
+  const bool quantized = F != KvFormat::kBf16;
+  const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
+  const float k_scale = quantized ? p.scales[kKScale] : 1.0f;
+  const float v_scale = quantized ? p.scales[kVScale] : 1.0f;
+  const float scale_log2 = p.softmax_scale * q_scale * k_scale * kLog2e;
+  const int row = tid, qi = row / group;
+  const bool row_ok = qi < v.count;
+  const int vis = row_ok ? s_tq.visible[qi] : 0;
+  const uint32_t lane_addr = tmem + (uint32_t(warp * 32) << 16);  // TMEM address: lane << 16 | column
+  float m = -INFINITY;
+#pragma unroll 1
+  for (int c = 0; c < kBlockKeys / 32; ++c) {
+    float x[32];
+    tmem_load_row32(lane_addr + TmemPlan::kSColumn + 32 * c, x);
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      if (32 * c + j < vis) m = fmaxf(m, x[j] * scale_log2);
+  }
+  float l = 0.0f;
+#pragma unroll 1
+  for (int c = 0; c < kBlockKeys / 32; ++c) {
+    float x[32];
+    tmem_load_row32(lane_addr + TmemPlan::kSColumn + 32 * c, x);
+    uint32_t packed[16];
+#pragma unroll
+    for (int j = 0; j < 32; j += 2) {
+      const float p0 = 32 * c + j < vis ? exp2f(x[j] * scale_log2 - m) : 0.0f;
+      const float p1 = 32 * c + j + 1 < vis ? exp2f(x[j + 1] * scale_log2 - m) : 0.0f;
+      l += p0 + p1;
+      packed[j / 2] = pack_bf16_pair(p0, p1);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int key = 32 * c + 8 * u;
+      *reinterpret_cast<uint4*>(&sP(make_coord(make_coord(row, key % 16), 0, key / 16))) =
+          make_uint4(packed[4 * u], packed[4 * u + 1], packed[4 * u + 2], packed[4 * u + 3]);
+    }
+  }
+  cutlass::arch::fence_view_async_shared();
+  tcgen05_before_thread_sync();
+  __syncthreads();
+
+  // ---- 5. O = P V into TMEM columns [128, 256)
+  MmaPV mma_pv;
+  if (warp == 0) {
+    tcgen05_after_thread_sync();
+    auto thr = mma_pv.get_slice(0);
+    Tensor tOrP = thr.make_fragment_A(sP);
+    Tensor tOrV = thr.make_fragment_B(sV);
+    Tensor tOtO = partition_fragment_C(mma_pv, TileShape{});
+    tOtO.data() = tmem + TmemPlan::kOColumn;
+    mma_pv.accumulate_ = UMMA::ScaleOut::Zero;
+#pragma unroll
+    for (int k = 0; k < size<2>(tOrP); ++k) {
+      gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOtO);
+      mma_pv.accumulate_ = UMMA::ScaleOut::One;
+    }
+    cutlass::arch::umma_arrive(&s_mma_done);
+  }
+  cute::wait_barrier(s_mma_done, kOReady);
+  tcgen05_after_thread_sync();
+
+  // ---- 6. the row's normalized partial (bf16) and lse at the plan's slot
+  const bool empty = !(l > 0.0f);
+  const float inv = empty ? 0.0f : v_scale / l;
+  int64_t slot = 0;
+  if (row_ok) slot = plan.partial_index(s_tq.query[qi], g, s_tq.rank[qi], p.num_kv_heads) * group + row % group;
+#pragma unroll 1
+  for (int c = 0; c < kHeadDim / 32; ++c) {
+    float x[32];
+    tmem_load_row32(lane_addr + TmemPlan::kOColumn + 32 * c, x);  // every lane of the warp takes part
+    if (row_ok) {
+      uint32_t packed[16];
+#pragma unroll
+      for (int j = 0; j < 32; j += 2) packed[j / 2] = pack_bf16_pair(x[j] * inv, x[j + 1] * inv);
+      uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim + 32 * c);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        dst[u] = make_uint4(packed[4 * u], packed[4 * u + 1], packed[4 * u + 2], packed[4 * u + 3]);
+    }
+  }
+  if (row_ok) p.partial_lse[slot] = empty ? -INFINITY : (m + log2f(l)) * kLn2;
+
+  // ---- 7. free TMEM once every warp's loads are done
+  tcgen05_before_thread_sync();
+  __syncthreads();
+  if (warp == 0) {
+    tcgen05_after_thread_sync();
+    TmemAllocator{}.free(tmem, TmemPlan::kColumns);
+  }
+#endif
+}
+
+}  // namespace jax_msa::sm100::prefill
