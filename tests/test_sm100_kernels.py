@@ -1,8 +1,8 @@
-"""The tcgen05 (sm_100a) prefill kernels of cc/sm100 are UNVERIFIED: no Blackwell GPU has run them. What can be
-checked without one is checked here, on any machine with nvcc: each of their translation units compiles for sm_100a
-to a kernel whose SASS holds the tensor-core instructions the design relies on (UTCHMMA: tcgen05.mma kind::f16; LDTM:
-tcgen05.ld of the accumulators), so the opt-in path is not an empty or fallback body. The SASS is read with nvdisasm
-(the `nvidia-cuda-nvdisasm` wheel of the test extras, or a CUDA toolkit's)."""
+"""The tcgen05 (sm_100a) prefill and decode kernels of cc/sm100 are UNVERIFIED: no Blackwell GPU has run them.
+What can be checked without one is checked here, on any machine with nvcc: each of their translation units compiles
+for sm_100a to a kernel whose SASS holds the tensor-core instructions the design relies on (UTCHMMA: tcgen05.mma
+kind::f16; LDTM: tcgen05.ld of the accumulators), so the opt-in path is not an empty or fallback body. The SASS is
+read with nvdisasm (the `nvidia-cuda-nvdisasm` wheel of the test extras, or a CUDA toolkit's)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import sysconfig
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SM100_PREFILL_UNITS = ["prefill_bf16.cu", "prefill_fp8.cu", "prefill_nvfp4.cu"]
+# (translation unit under cc/sm100, its kernel): every format of the prefill and of the decode
+UNITS = [(f"{phase}/{phase}_{fmt}.cu", f"sparse_{phase}_tcgen05_kernel") for phase in ("prefill", "decode")
+         for fmt in ("bf16", "fp8", "nvfp4")]
 
 
 def _nvcc():
@@ -50,19 +52,20 @@ def tools():
     return nvcc, nvdisasm
 
 
-@pytest.mark.parametrize("unit", SM100_PREFILL_UNITS)
-def test_tcgen05_prefill_sass(tools, unit, tmp_path):
+@pytest.mark.parametrize("unit, kernel", UNITS, ids=[u for u, _ in UNITS])
+def test_tcgen05_sass(tools, unit, kernel, tmp_path):
     nvcc, nvdisasm = tools
-    cubin = tmp_path / (unit + ".cubin")
+    cubin = tmp_path / "unit.cubin"
     cmd = [nvcc, "-cubin", "-arch=sm_100a", "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
-           "-DJAX_MSA_WITH_CUDA=1", "-o", str(cubin), os.path.join(REPO, "cc", "sm100", "prefill", unit)]
+           "-DJAX_MSA_WITH_CUDA=1", "-o", str(cubin), os.path.join(REPO, "cc", "sm100", unit)]
     for inc in _includes():
         cmd += ["-I", inc]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     sass = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
-    kernels = set(re.findall(r"\.text\.(\S*sparse_prefill_tcgen05_kernel\S*):", sass))
+    kernels = set(re.findall(rf"\.text\.(\S*{kernel}\S*):", sass))
     assert len(kernels) == 1, kernels
     counts = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("UTCHMMA", "LDTM")}
-    # 8 MMAs of K = 16 for S = Q K^T and 8 for O = P V (each may be emitted once per predicate path); 3 TMEM loads
+    # 8 MMAs of K = 16 for the scores and 8 for the output (each may be emitted once per predicate path); the TMEM
+    # loads of the two softmax passes and of the output
     assert counts["UTCHMMA"] >= 16, counts
     assert counts["LDTM"] >= 3, counts

@@ -3,8 +3,8 @@
 //   compute capability        kernels
 //   < 8.0                     none: the handler returns a clear error (mma.sync bf16 and cp.async need sm_80)
 //   10.0 / 10.3 (Blackwell)   with JAX_MSA_ENABLE_SM100_KERNELS=1 and a build for sm_100a / sm_103a: the tcgen05
-//                             prefill (cc/sm100, UNVERIFIED: never run) and the warp-MMA decode; otherwise the
-//                             warp-MMA kernels
+//                             kernels (cc/sm100, UNVERIFIED: never run; a decode call they do not serve, more than
+//                             16 blocks a CTA, takes the warp-MMA decode); otherwise the warp-MMA kernels
 //   any other >= 8.0          the warp-MMA kernels of cc/sm80 (mma.sync m16n8k16 + cp.async + ldmatrix). On sm_90
 //                             (H200) these are the kernels the GPU tests verify and the benchmarks measure.
 //

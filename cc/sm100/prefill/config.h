@@ -22,10 +22,11 @@
 #include <cute/atom/mma_traits_sm100.hpp>
 
 #include "common/kv_format.h"
+#include "sm100/common/kv_unit.cuh"
 
 namespace jax_msa::sm100::prefill {
 
-constexpr int kHeadDim = 128;
+using sm100::kHeadDim;
 constexpr int kBlockKeys = 128;
 constexpr int kTileRows = 128;  // UMMA M; = cuda::kMaxTileRows
 constexpr int kWarps = 4;       // warp w reads TMEM lanes [32 w, 32 w + 32) (tcgen05.ld lane quarter)

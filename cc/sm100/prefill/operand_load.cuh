@@ -1,69 +1,17 @@
 // tcgen05 (sm_100a) prefill, UNVERIFIED: the block's K and V and the gathered query tile as bf16, 16-byte units (8
-// consecutive elements of one row) at a time, from the paged cache and q into the UMMA shared-memory layouts of
-// config.h. FP8 and NVFP4 values are the raw codes decoded exactly to bf16 (the per-layer k_scale / v_scale and
-// q_scale fold into the softmax scale and the output, as in the warp-MMA kernels).
+// consecutive elements of one row) at a time, from the paged cache (sm100/common/kv_unit.cuh) and q into the UMMA
+// shared-memory layouts of config.h (q_scale folds into the softmax scale).
 #pragma once
-#include <cuda_bf16.h>
-
 #include <cstdint>
 
 #include "common/kv_format.h"
 #include "common/numeric.h"
 #include "common/params.h"
 #include "cuda/prefill_work_item.cuh"
+#include "sm100/common/kv_unit.cuh"
 #include "sm100/prefill/config.h"
 
 namespace jax_msa::sm100::prefill {
-
-__device__ __forceinline__ uint32_t pack_bf16_pair(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// Elements [8 u, 8 u + 8) of key `key` of K (kv = 0) or V (kv = 1) of KV head g in `page`, as 8 bf16.
-template <KvFormat F>
-__device__ __forceinline__ uint4 load_kv_unit(const PrefillParams& p, int64_t page, int g, int key, int kv, int u);
-
-template <>
-__device__ __forceinline__ uint4 load_kv_unit<KvFormat::kBf16>(const PrefillParams& p, int64_t page, int g, int key,
-                                                              int kv, int u) {
-  const int64_t token = (page * p.num_kv_heads + g) * kPageSize + key;
-  const uint16_t* row = static_cast<const uint16_t*>(p.kv_cache) + token * 256;
-  return *reinterpret_cast<const uint4*>(row + kv * kHeadDim + 8 * u);
-}
-
-template <>
-__device__ __forceinline__ uint4 load_kv_unit<KvFormat::kFp8>(const PrefillParams& p, int64_t page, int g, int key,
-                                                             int kv, int u) {
-  const uint8_t* row = static_cast<const uint8_t*>(p.kv_cache) + ((page * p.num_kv_heads + g) * kPageSize + key) * 256;
-  const uint2 raw = *reinterpret_cast<const uint2*>(row + kv * kHeadDim + 8 * u);
-  const uint32_t w[2] = {raw.x, raw.y};
-  uint32_t o[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t pair = w[j >> 1] >> (16 * (j & 1));
-    o[j] = pack_bf16_pair(e4m3_to_float(uint8_t(pair)), e4m3_to_float(uint8_t(pair >> 8)));  // exact
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-template <>
-__device__ __forceinline__ uint4 load_kv_unit<KvFormat::kNvfp4>(const PrefillParams& p, int64_t page, int g, int key,
-                                                               int kv, int u) {
-  const Nvfp4Slot slot{kHeadDim};
-  const uint8_t* base =
-      static_cast<const uint8_t*>(p.kv_cache) + (page * 2 * p.num_kv_heads + 2 * g + kv) * slot.slot_bytes();
-  const uint32_t data = *reinterpret_cast<const uint32_t*>(base + int64_t(key) * slot.data_bytes_per_token() + 4 * u);
-  const int group = u >> 1;  // 16-value scale group of elements 8u..8u+7
-  const float sf = e4m3_to_float(base[kv == 0 ? slot.k_scale_offset(key, group) : slot.v_scale_offset(key, group)]);
-  uint32_t o[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {  // byte j: elements 2j (low nibble), 2j + 1 (high nibble); e2m1 x e4m3 is exact
-    const uint8_t b = uint8_t(data >> (8 * j));
-    o[j] = pack_bf16_pair(e2m1_to_float(uint8_t(b & 15u)) * sf, e2m1_to_float(uint8_t(b >> 4)) * sf);
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
 
 // K into sK (row = key, K-major) and V into sV (MN-major: dims of one key contiguous); keys >= visible (the most any
 // query of the tile sees) are zero, and nothing is read for them.
@@ -75,7 +23,8 @@ __device__ __forceinline__ void load_block(TensorK& sK, TensorV& sV, const Prefi
 #pragma unroll 4
   for (int i = threadIdx.x; i < 2 * kUnits; i += kThreads) {
     const int kv = i / kUnits, key = (i % kUnits) / kUnitsPerRow, u = i % kUnitsPerRow;
-    const uint4 val = key < visible ? load_kv_unit<F>(p, v.page, g, key, kv, u) : make_uint4(0u, 0u, 0u, 0u);
+    const uint4 val = key < visible ? load_kv_unit<F>(p.kv_cache, p.num_kv_heads, v.page, g, key, kv, u)
+                                    : make_uint4(0u, 0u, 0u, 0u);
     const int d = 8 * u;
     if (kv == 0) *reinterpret_cast<uint4*>(&sK(cute::make_coord(cute::make_coord(key, d % 16), 0, d / 16))) = val;
     else *reinterpret_cast<uint4*>(&sV(cute::make_coord(cute::make_coord(d, key % 16), 0, key / 16))) = val;
