@@ -18,6 +18,18 @@ __device__ __forceinline__ uint32_t pack_bf16_pair(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Eight e4m3 codes (low byte first) as eight bf16, exact.
+__device__ __forceinline__ uint4 e4m3x8_to_bf16x8(uint2 raw) {
+  const uint32_t w[2] = {raw.x, raw.y};
+  uint32_t o[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t pair = w[j >> 1] >> (16 * (j & 1));
+    o[j] = pack_bf16_pair(e4m3_to_float(uint8_t(pair)), e4m3_to_float(uint8_t(pair >> 8)));
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 template <KvFormat F>
 __device__ __forceinline__ uint4 load_kv_unit(const void* cache, int num_kv_heads, int64_t page, int g, int key, int kv,
                                               int u);
@@ -35,15 +47,7 @@ __device__ __forceinline__ uint4 load_kv_unit<KvFormat::kFp8>(const void* cache,
                                                               int key, int kv, int u) {
   const int64_t token = (page * num_kv_heads + g) * kPageSize + key;
   const uint8_t* row = static_cast<const uint8_t*>(cache) + token * 256;
-  const uint2 raw = *reinterpret_cast<const uint2*>(row + kv * kHeadDim + 8 * u);
-  const uint32_t w[2] = {raw.x, raw.y};
-  uint32_t o[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t pair = w[j >> 1] >> (16 * (j & 1));
-    o[j] = pack_bf16_pair(e4m3_to_float(uint8_t(pair)), e4m3_to_float(uint8_t(pair >> 8)));  // exact
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
+  return e4m3x8_to_bf16x8(*reinterpret_cast<const uint2*>(row + kv * kHeadDim + 8 * u));
 }
 
 template <>

@@ -1,11 +1,15 @@
-// tcgen05 (sm_100a) kernels, UNVERIFIED: ordering fences around thread synchronization and tensor-memory loads.
+// tcgen05 (sm_100a) kernels, UNVERIFIED: ordering fences around thread synchronization, the CTA's tensor memory and
+// MMA-completion barrier, issuing a UMMA product from shared-memory operands, tensor-memory loads.
 // Defined only when compiling for an architecture with tcgen05 (JAX_MSA_SM100_TCGEN05); the kernels' bodies are
 // empty elsewhere.
 #pragma once
 #include <cstdint>
 
 #include <cute/arch/copy_sm100.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/config.hpp>
+#include <cute/arch/tmem_allocator_sm100.hpp>
+#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
 namespace jax_msa::sm100 {
@@ -43,6 +47,61 @@ __device__ __forceinline__ void tmem_load_row16(uint32_t taddr, float (&x)[16]) 
   cutlass::arch::fence_view_async_tmem_load();
 #pragma unroll
   for (int j = 0; j < 16; ++j) x[j] = __uint_as_float(r[j]);
+}
+// All threads: warp 0 allocates `columns` of tensor memory (and gives up the right to allocate more, so another CTA
+// on the SM may), thread 0 initializes the MMA-completion barrier; returns the TMEM base once every thread sees it.
+__device__ __forceinline__ uint32_t tmem_alloc_and_init_barrier(int columns, uint32_t* s_tmem_base, uint64_t* s_bar) {
+  if ((threadIdx.x >> 5) == 0) {
+    cute::TMEM::Allocator1Sm alloc{};
+    alloc.allocate(columns, s_tmem_base);
+    alloc.release_allocation_lock();
+  }
+  if (threadIdx.x == 0) {
+    cute::initialize_barrier(*s_bar, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  tcgen05_before_thread_sync();
+  __syncthreads();
+  tcgen05_after_thread_sync();
+  return *s_tmem_base;
+}
+
+// All threads: frees the tensor memory once every warp's loads from it are done.
+__device__ __forceinline__ void tmem_free(uint32_t tmem, int columns) {
+  tcgen05_before_thread_sync();
+  __syncthreads();
+  if ((threadIdx.x >> 5) == 0) {
+    tcgen05_after_thread_sync();
+    cute::TMEM::Allocator1Sm{}.free(tmem, columns);
+  }
+}
+
+// One warp (one lane issues inside the MMA atom): D (in TMEM at tmem_d, shape_mn) = or += A B over every K-block of
+// the shared-memory operands sA, sB (UMMA layouts), then commits the MMAs to s_bar.
+template <class TiledMma, class TensorA, class TensorB, class ShapeMN>
+__device__ __forceinline__ void issue_mma(TiledMma& mma, const TensorA& sA, const TensorB& sB, ShapeMN shape_mn,
+                                          uint32_t tmem_d, bool accumulate, uint64_t* s_bar) {
+  using namespace cute;
+  tcgen05_after_thread_sync();
+  auto thr = mma.get_slice(0);
+  Tensor tA = thr.make_fragment_A(sA);
+  Tensor tB = thr.make_fragment_B(sB);
+  Tensor tD = partition_fragment_C(mma, shape_mn);
+  tD.data() = tmem_d;
+  mma.accumulate_ = accumulate ? UMMA::ScaleOut::One : UMMA::ScaleOut::Zero;
+#pragma unroll
+  for (int k = 0; k < size<2>(tA); ++k) {
+    gemm(mma, tA(_, _, k), tB(_, _, k), tD);
+    mma.accumulate_ = UMMA::ScaleOut::One;
+  }
+  cutlass::arch::umma_arrive(s_bar);
+}
+
+// All threads: waits for the MMAs committed to s_bar (the barrier's phase alternates with every commit).
+__device__ __forceinline__ void wait_mma(uint64_t* s_bar, int& phase) {
+  cute::wait_barrier(*s_bar, phase);
+  phase ^= 1;
+  tcgen05_after_thread_sync();
 }
 #endif
 

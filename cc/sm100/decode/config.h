@@ -47,6 +47,8 @@ using KeysByDims = cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>>;
 using HeadsByDims = cute::Shape<cute::Int<kHeads>, cute::Int<kHeadDim>>;
 using DimsByKeys = cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockKeys>>;
 using HeadsByKeys = cute::Shape<cute::Int<kHeads>, cute::Int<kBlockKeys>>;
+using KeysByHeads = cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeads>>;  // S^T in TMEM
+using DimsByHeads = cute::Shape<cute::Int<kHeadDim>, cute::Int<kHeads>>;   // O^T in TMEM
 using LayoutK = decltype(cute::UMMA::tile_to_mma_shape(cute::UMMA::Layout_K_SW128_Atom<Bf16>{},
                                                        cute::partition_shape_A(MmaS{}, KeysByDims{})));
 using LayoutQ = decltype(cute::UMMA::tile_to_mma_shape(cute::UMMA::Layout_K_SW128_Atom<Bf16>{},

@@ -4,10 +4,7 @@
 #pragma once
 #include <cuda_bf16.h>
 
-#include <cute/arch/copy_sm90_desc.hpp>
-#include <cute/arch/tmem_allocator_sm100.hpp>
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
 
 #include "common/numeric.h"
 #include "common/params.h"
@@ -78,8 +75,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
                        LayoutP{});
   };
 
-  // ---- 1. the valid, deduplicated blocks of (t, g) (one warp ballot) and this split's share; TMEM; barrier
-  using TmemAllocator = cute::TMEM::Allocator1Sm;
+  // ---- 1. the valid, deduplicated blocks of (t, g) (one warp ballot) and this split's share; Q; TMEM; barrier
   if (warp == 0) {
     const int n_blocks = min((seq_len + kPageSize - 1) / kPageSize, p.max_blocks);
     const int32_t* row = p.topk_ids + (int64_t(g) * tokens + t) * p.topk;
@@ -96,13 +92,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
     if (valid && rank >= first && rank < last)
       s_blocks[rank - first] = BlockRef{page, min(kPageSize, pos - id * kPageSize + 1)};
     if (lane == 0) s_num_blocks = last - first;  // <= kMaxBlocks: decode_supports checks ceil(K / splits)
-    TmemAllocator alloc{};
-    alloc.allocate(TmemPlan::kColumns, &s_tmem_base);
-    alloc.release_allocation_lock();
-  }
-  if (tid == 0) {
-    cute::initialize_barrier(s_mma_done, 1);
-    cutlass::arch::fence_barrier_init();
   }
   // Q rows (heads of (t, g); rows >= G zero) as bf16 into sQ
   for (int i = tid; i < kHeads * kUnitsPerRow; i += kThreads) {
@@ -110,27 +99,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
     if (h < group) {
       const int64_t elem = (int64_t(t) * p.num_q_heads + int64_t(g) * group + h) * kHeadDim + 8 * u;
-      if (p.q_is_fp8) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.q) + elem);
-        const uint32_t w[2] = {raw.x, raw.y};
-        uint32_t o[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t pair = w[j >> 1] >> (16 * (j & 1));
-          o[j] = pack_bf16_pair(e4m3_to_float(uint8_t(pair)), e4m3_to_float(uint8_t(pair >> 8)));  // exact
-        }
-        val = make_uint4(o[0], o[1], o[2], o[3]);
-      } else {
-        val = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.q) + elem);
-      }
+      val = p.q_is_fp8 ? e4m3x8_to_bf16x8(*reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.q) + elem))
+                       : *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.q) + elem);
     }
     const int d = 8 * u;
     *reinterpret_cast<uint4*>(&sQ(make_coord(make_coord(h, d % 16), 0, d / 16))) = val;
   }
-  tcgen05_before_thread_sync();
-  __syncthreads();
-  tcgen05_after_thread_sync();
-  const uint32_t tmem = s_tmem_base;
+  const uint32_t tmem = tmem_alloc_and_init_barrier(TmemPlan::kColumns, &s_tmem_base, &s_mma_done);
   const int n = s_num_blocks;
   int phase = 0;
 
@@ -149,33 +124,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
     tcgen05_before_thread_sync();
     __syncthreads();
   };
-  // Waits for the MMAs committed to s_mma_done; the K / V buffer is free again afterwards.
-  auto wait_mma = [&]() {
-    cute::wait_barrier(s_mma_done, phase);
-    phase ^= 1;
-    tcgen05_after_thread_sync();
-  };
-
   // ---- 2. S^T of every block into TMEM columns [16 i, 16 i + 16)
   MmaS mma_s;
   for (int i = 0; i < n; ++i) {
     load_block(i, 0);
-    if (warp == 0) {
-      tcgen05_after_thread_sync();
-      auto thr = mma_s.get_slice(0);
-      Tensor tSrK = thr.make_fragment_A(sK);
-      Tensor tSrQ = thr.make_fragment_B(sQ);
-      Tensor tStS = partition_fragment_C(mma_s, Shape<Int<kBlockKeys>, Int<kHeads>>{});
-      tStS.data() = tmem + kHeads * i;
-      mma_s.accumulate_ = UMMA::ScaleOut::Zero;
-#pragma unroll
-      for (int k = 0; k < size<2>(tSrK); ++k) {
-        gemm(mma_s, tSrK(_, _, k), tSrQ(_, _, k), tStS);
-        mma_s.accumulate_ = UMMA::ScaleOut::One;
-      }
-      cutlass::arch::umma_arrive(&s_mma_done);
-    }
-    wait_mma();
+    if (warp == 0) issue_mma(mma_s, sK, sQ, KeysByHeads{}, tmem + kHeads * i, false, &s_mma_done);
+    wait_mma(&s_mma_done, phase);  // the K / V buffer is free again
   }
 
   // ---- 3. exact softmax over the split's keys (log2 units): thread = key lane of every block
@@ -218,22 +172,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
   MmaO mma_o;
   for (int i = 0; i < n; ++i) {
     load_block(i, 1);
-    if (warp == 0) {
-      tcgen05_after_thread_sync();
-      auto thr = mma_o.get_slice(0);
-      Tensor tOrV = thr.make_fragment_A(sV);
-      Tensor tOrP = thr.make_fragment_B(sP(i));
-      Tensor tOtO = partition_fragment_C(mma_o, Shape<Int<kHeadDim>, Int<kHeads>>{});
-      tOtO.data() = tmem + TmemPlan::kOColumn;
-      mma_o.accumulate_ = i == 0 ? UMMA::ScaleOut::Zero : UMMA::ScaleOut::One;
-#pragma unroll
-      for (int k = 0; k < size<2>(tOrV); ++k) {
-        gemm(mma_o, tOrV(_, _, k), tOrP(_, _, k), tOtO);
-        mma_o.accumulate_ = UMMA::ScaleOut::One;
-      }
-      cutlass::arch::umma_arrive(&s_mma_done);
-    }
-    wait_mma();
+    if (warp == 0) issue_mma(mma_o, sV, sP(i), DimsByHeads{}, tmem + TmemPlan::kOColumn, i > 0, &s_mma_done);
+    wait_mma(&s_mma_done, phase);
   }
 
   // ---- 5. thread = dim d: the heads' outputs (0 and lse -inf for an empty selection)
@@ -259,13 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
     }
   }
 
-  // ---- 6. free TMEM
-  tcgen05_before_thread_sync();
-  __syncthreads();
-  if (warp == 0) {
-    tcgen05_after_thread_sync();
-    TmemAllocator{}.free(tmem, TmemPlan::kColumns);
-  }
+  tmem_free(tmem, TmemPlan::kColumns);
 #endif
 }
 

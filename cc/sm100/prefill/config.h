@@ -74,7 +74,4 @@ struct TmemPlan {
   static constexpr int kOColumn = 128;
 };
 
-// One mbarrier, signalled by tcgen05.commit after each product: phase 0 = S ready, phase 1 = O ready.
-enum MmaPhase : int { kSReady = 0, kOReady = 1 };
-
 }  // namespace jax_msa::sm100::prefill

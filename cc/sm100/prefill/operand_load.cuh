@@ -42,19 +42,8 @@ __device__ __forceinline__ void load_query_tile(TensorQ& sQ, const PrefillParams
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
     if (qi < count) {
       const int64_t elem = (int64_t(tq.query[qi]) * p.num_q_heads + g * group + row % group) * kHeadDim + 8 * u;
-      if (p.q_is_fp8) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.q) + elem);
-        const uint32_t w[2] = {raw.x, raw.y};
-        uint32_t o[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t pair = w[j >> 1] >> (16 * (j & 1));
-          o[j] = pack_bf16_pair(e4m3_to_float(uint8_t(pair)), e4m3_to_float(uint8_t(pair >> 8)));
-        }
-        val = make_uint4(o[0], o[1], o[2], o[3]);
-      } else {
-        val = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.q) + elem);
-      }
+      val = p.q_is_fp8 ? e4m3x8_to_bf16x8(*reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.q) + elem))
+                       : *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.q) + elem);
     }
     const int d = 8 * u;
     *reinterpret_cast<uint4*>(&sQ(cute::make_coord(cute::make_coord(row, d % 16), 0, d / 16))) = val;

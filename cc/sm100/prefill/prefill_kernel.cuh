@@ -5,11 +5,7 @@
 #pragma once
 #include <cuda_bf16.h>
 
-#include <cute/arch/copy_sm100.hpp>
-#include <cute/arch/copy_sm90_desc.hpp>
-#include <cute/arch/tmem_allocator_sm100.hpp>
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
 
 #include "common/params.h"
 #include "common/plan_view.h"
@@ -42,22 +38,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(con
   Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kVOffset)), LayoutV{});
   Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kPOffset)), LayoutP{});
 
-  // ---- 1. the tile's queries; TMEM (warp 0) and the MMA barrier
+  // ---- 1. the tile's queries; TMEM and the MMA barrier
   cuda::gather_tile_queries(s_tq, p, plan, v);
-  using TmemAllocator = cute::TMEM::Allocator1Sm;
-  if (warp == 0) {
-    TmemAllocator alloc{};
-    alloc.allocate(TmemPlan::kColumns, &s_tmem_base);
-    alloc.release_allocation_lock();  // another CTA on this SM may allocate the rest
-  }
-  if (tid == 0) {
-    cute::initialize_barrier(s_mma_done, 1);
-    cutlass::arch::fence_barrier_init();
-  }
-  tcgen05_before_thread_sync();
-  __syncthreads();
-  tcgen05_after_thread_sync();
-  const uint32_t tmem = s_tmem_base;
+  const uint32_t tmem = tmem_alloc_and_init_barrier(TmemPlan::kColumns, &s_tmem_base, &s_mma_done);
+  int phase = 0;
   const int tile_visible = cuda::tile_visible_keys(s_tq, v.count);
 
   // ---- 2. operands into shared memory (generic proxy), then visible to the tensor cores (async proxy)
@@ -66,25 +50,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(con
   cutlass::arch::fence_view_async_shared();
   __syncthreads();
 
-  // ---- 3. S = Q K^T into TMEM columns [0, 128): one warp issues (one elected lane inside the MMA atom)
+  // ---- 3. S = Q K^T into TMEM columns [0, 128), issued by warp 0
   MmaQK mma_qk;
-  if (warp == 0) {
-    tcgen05_after_thread_sync();
-    auto thr = mma_qk.get_slice(0);
-    Tensor tSrQ = thr.make_fragment_A(sQ);
-    Tensor tSrK = thr.make_fragment_B(sK);
-    Tensor tStS = partition_fragment_C(mma_qk, TileShape{});
-    tStS.data() = tmem + TmemPlan::kSColumn;
-    mma_qk.accumulate_ = UMMA::ScaleOut::Zero;
-#pragma unroll
-    for (int k = 0; k < size<2>(tSrQ); ++k) {
-      gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tStS);
-      mma_qk.accumulate_ = UMMA::ScaleOut::One;
-    }
-    cutlass::arch::umma_arrive(&s_mma_done);
-  }
-  cute::wait_barrier(s_mma_done, kSReady);
-  tcgen05_after_thread_sync();
+  if (warp == 0) issue_mma(mma_qk, sQ, sK, TileShape{}, tmem + TmemPlan::kSColumn, false, &s_mma_done);
+  wait_mma(&s_mma_done, phase);
 
   // ---- 4. softmax of row R = tid over the keys its query sees (log2 units), P (bf16) into sP
   const bool quantized = F != KvFormat::kBf16;
@@ -131,23 +100,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(con
 
   // ---- 5. O = P V into TMEM columns [128, 256)
   MmaPV mma_pv;
-  if (warp == 0) {
-    tcgen05_after_thread_sync();
-    auto thr = mma_pv.get_slice(0);
-    Tensor tOrP = thr.make_fragment_A(sP);
-    Tensor tOrV = thr.make_fragment_B(sV);
-    Tensor tOtO = partition_fragment_C(mma_pv, TileShape{});
-    tOtO.data() = tmem + TmemPlan::kOColumn;
-    mma_pv.accumulate_ = UMMA::ScaleOut::Zero;
-#pragma unroll
-    for (int k = 0; k < size<2>(tOrP); ++k) {
-      gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOtO);
-      mma_pv.accumulate_ = UMMA::ScaleOut::One;
-    }
-    cutlass::arch::umma_arrive(&s_mma_done);
-  }
-  cute::wait_barrier(s_mma_done, kOReady);
-  tcgen05_after_thread_sync();
+  if (warp == 0) issue_mma(mma_pv, sP, sV, TileShape{}, tmem + TmemPlan::kOColumn, false, &s_mma_done);
+  wait_mma(&s_mma_done, phase);
 
   // ---- 6. the row's normalized partial (bf16) and lse at the plan's slot
   const bool empty = !(l > 0.0f);
@@ -170,13 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(con
   }
   if (row_ok) p.partial_lse[slot] = empty ? -INFINITY : (m + log2f(l)) * kLn2;
 
-  // ---- 7. free TMEM once every warp's loads are done
-  tcgen05_before_thread_sync();
-  __syncthreads();
-  if (warp == 0) {
-    tcgen05_after_thread_sync();
-    TmemAllocator{}.free(tmem, TmemPlan::kColumns);
-  }
+  tmem_free(tmem, TmemPlan::kColumns);
 #endif
 }
 
