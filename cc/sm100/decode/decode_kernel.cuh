@@ -1,6 +1,6 @@
 // tcgen05 (sm_100a) sparse decode kernel, UNVERIFIED (see config.h). Semantics: MSA.md section 2, as the warp-MMA
 // decode (holes, ids out of range, blocks beyond the causal position and invalid pages are skipped before any read;
-// duplicates count once). On any other architecture the kernel body is empty (never launched there).
+// duplicates count once). On any other architecture the kernel only traps (see the prefill kernel).
 #pragma once
 #include <cuda_bf16.h>
 
@@ -200,6 +200,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
   }
 
   tmem_free(tmem, TmemPlan::kColumns);
+#else
+  __trap();  // no tcgen05 on this architecture (e.g. a forced compute capability): fail, never write garbage
 #endif
 }
 

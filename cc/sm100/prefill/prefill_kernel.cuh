@@ -1,7 +1,7 @@
 // tcgen05 (sm_100a) sparse prefill kernel, UNVERIFIED (see config.h): one plan work item a CTA; writes one normalized
 // bf16 partial and its lse per (query, selected block), merged afterwards by the shared combine kernel. Reads the
-// plan only through PlanView / cuda::ItemView. On any other architecture the kernel body is empty (it is never
-// launched there: the dispatch picks it only on compute capability 10.x).
+// plan only through PlanView / cuda::ItemView. On any other architecture the kernel only traps (the dispatch picks
+// it on compute capability 10.x alone, unless JAX_MSA_FORCE_COMPUTE_CAPABILITY misleads it).
 #pragma once
 #include <cuda_bf16.h>
 
@@ -125,6 +125,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(con
   if (row_ok) p.partial_lse[slot] = empty ? -INFINITY : (m + log2f(l)) * kLn2;
 
   tmem_free(tmem, TmemPlan::kColumns);
+#else
+  __trap();  // no tcgen05 on this architecture (e.g. a forced compute capability): fail, never write garbage
 #endif
 }
 
