@@ -9,8 +9,10 @@ from jax_msa import _ffi
 
 pytestmark = pytest.mark.skipif(not jax_msa.cuda_available(), reason="needs a build with the CUDA handlers")
 
-# The tcgen05 prefill is selectable only where this build holds sm_100a / sm_103a code (the default list has 100a).
-SM100 = "sm100" if any(a in ("100a", "103a") for a in jax_msa.cuda_archs()) else "warp_mma"
+# The tcgen05 kernels are selectable only where this build holds code for that exact capability: sm_100a for 10.0
+# (in the default list), sm_103a for 10.3.
+SM100_10_0 = "sm100" if "100a" in jax_msa.cuda_archs() else "warp_mma"
+SM100_10_3 = "sm100" if "103a" in jax_msa.cuda_archs() else "warp_mma"
 
 CASES = [
     # (major, minor, JAX_MSA_ENABLE_SM100_KERNELS=1?) -> kernels
@@ -21,8 +23,8 @@ CASES = [
     ((8, 9, False), "warp_mma"),  # L40, RTX 40xx
     ((9, 0, False), "warp_mma"),  # H100 / H200: the kernels the GPU tests verify
     ((10, 0, False), "warp_mma"),  # B200 without the opt-in
-    ((10, 0, True), SM100),  # B200 with the opt-in: the tcgen05 prefill (unverified)
-    ((10, 3, True), SM100),  # B300
+    ((10, 0, True), SM100_10_0),  # B200 with the opt-in: the tcgen05 kernels (unverified)
+    ((10, 3, True), SM100_10_3),  # B300: needs 103a in the build
     ((11, 0, False), "warp_mma"),
     ((12, 0, False), "warp_mma"),  # RTX 50xx
     ((12, 1, True), "warp_mma"),  # the opt-in is for sm_100 / sm_103 only

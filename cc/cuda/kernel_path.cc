@@ -61,7 +61,7 @@ cudaError_t current_kernel_path(KernelPath* path, int* major, int* minor) {
   }
   *major = capability / 10;
   *minor = capability % 10;
-  *path = select_kernel_path(*major, *minor, kSm100KernelsBuilt, sm100_kernels_enabled());
+  *path = select_kernel_path(*major, *minor, sm100_kernels_built_for(*minor), sm100_kernels_enabled());
   return cudaSuccess;
 }
 

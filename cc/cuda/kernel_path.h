@@ -2,9 +2,10 @@
 //
 //   compute capability        kernels
 //   < 8.0                     none: the handler returns a clear error (mma.sync bf16 and cp.async need sm_80)
-//   10.0 / 10.3 (Blackwell)   with JAX_MSA_ENABLE_SM100_KERNELS=1 and a build for sm_100a / sm_103a: the tcgen05
-//                             kernels (cc/sm100, UNVERIFIED: never run; a decode call they do not serve, more than
-//                             16 blocks a CTA, takes the warp-MMA decode); otherwise the warp-MMA kernels
+//   10.0 / 10.3 (Blackwell)   with JAX_MSA_ENABLE_SM100_KERNELS=1 and a build for that exact architecture (sm_100a
+//                             for 10.0, sm_103a for 10.3): the tcgen05 kernels (cc/sm100, UNVERIFIED: never run; a
+//                             decode call they do not serve, more than 16 blocks a CTA, takes the warp-MMA decode);
+//                             otherwise the warp-MMA kernels
 //   any other >= 8.0          the warp-MMA kernels of cc/sm80 (mma.sync m16n8k16 + cp.async + ldmatrix). On sm_90
 //                             (H200) these are the kernels the GPU tests verify and the benchmarks measure.
 //
@@ -17,12 +18,17 @@ namespace jax_msa::cuda {
 
 enum class KernelPath : int { kUnsupported = 0, kWarpMma = 1, kSm100 = 2 };
 
-// Whether this build's architecture list holds sm_100a or sm_103a, for which the tcgen05 kernels have a body (set by
-// CMakeLists.txt).
-#ifndef JAX_MSA_SM100_KERNELS_BUILT
-#define JAX_MSA_SM100_KERNELS_BUILT 0
+// Which of sm_100a (bit 0) and sm_103a (bit 1) this build's architecture list holds: the tcgen05 kernels have a body
+// only there, and "a" code runs only on its exact compute capability (set by CMakeLists.txt).
+#ifndef JAX_MSA_SM100_KERNEL_ARCHS
+#define JAX_MSA_SM100_KERNEL_ARCHS 0
 #endif
-constexpr bool kSm100KernelsBuilt = JAX_MSA_SM100_KERNELS_BUILT != 0;
+constexpr int kSm100KernelArchs = JAX_MSA_SM100_KERNEL_ARCHS;
+
+// Whether this build holds tcgen05 kernels for compute capability 10.minor.
+constexpr bool sm100_kernels_built_for(int minor) {
+  return (minor == 0 && (kSm100KernelArchs & 1)) || (minor == 3 && (kSm100KernelArchs & 2));
+}
 
 constexpr KernelPath select_kernel_path(int major, int minor, bool sm100_kernels_built, bool sm100_enabled) {
   if (major < 8) return KernelPath::kUnsupported;

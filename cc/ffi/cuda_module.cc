@@ -80,7 +80,7 @@ NB_MODULE(_jax_msa_cuda, m) {
       "select_kernel_path",
       [](int major, int minor, bool sm100_enabled) {
         return std::string(jax_msa::cuda::kernel_path_name(jax_msa::cuda::select_kernel_path(
-            major, minor, jax_msa::cuda::kSm100KernelsBuilt, sm100_enabled)));
+            major, minor, jax_msa::cuda::sm100_kernels_built_for(minor), sm100_enabled)));
       },
       nanobind::arg("major"), nanobind::arg("minor"), nanobind::arg("sm100_enabled"),
       "The attention kernels the CUDA handlers pick for a device of this compute capability (cuda/kernel_path.h): "

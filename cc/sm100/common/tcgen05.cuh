@@ -52,6 +52,7 @@ __device__ __forceinline__ void tmem_load_row16(uint32_t taddr, float (&x)[16]) 
 // on the SM may), thread 0 initializes the MMA-completion barrier; returns the TMEM base once every thread sees it.
 __device__ __forceinline__ uint32_t tmem_alloc_and_init_barrier(int columns, uint32_t* s_tmem_base, uint64_t* s_bar) {
   if ((threadIdx.x >> 5) == 0) {
+    __syncwarp();  // tcgen05.alloc is .sync.aligned: the whole warp, converged
     cute::TMEM::Allocator1Sm alloc{};
     alloc.allocate(columns, s_tmem_base);
     alloc.release_allocation_lock();
@@ -82,6 +83,7 @@ template <class TiledMma, class TensorA, class TensorB, class ShapeMN>
 __device__ __forceinline__ void issue_mma(TiledMma& mma, const TensorA& sA, const TensorB& sB, ShapeMN shape_mn,
                                           uint32_t tmem_d, bool accumulate, uint64_t* s_bar) {
   using namespace cute;
+  __syncwarp();  // the MMA atom and the commit elect one lane of a converged warp
   tcgen05_after_thread_sync();
   auto thr = mma.get_slice(0);
   Tensor tA = thr.make_fragment_A(sA);

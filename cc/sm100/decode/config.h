@@ -74,7 +74,9 @@ struct SharedPlan {
   static_assert(kQBytes % kAlign == 0 && kPBytes % kAlign == 0, "every operand starts on a swizzle period");
 };
 
-// Tensor memory: 256 columns; scores of block i in [16 i, 16 i + 16); O^T reuses [0, 16) after the softmax.
+// Tensor memory: 256 columns; scores of block i in [16 i, 16 i + 16); O^T reuses [0, 16) after the softmax. (If the
+// hardware wants N = 16 accumulators 32-column aligned, use 32-column slots and kMaxBlocks = 8: a first check on a
+// Blackwell GPU.)
 struct TmemPlan {
   static constexpr int kColumns = kMaxBlocks * kHeads;  // 256, a power of two
   static constexpr int kOColumn = 0;
