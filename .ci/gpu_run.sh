@@ -2,7 +2,7 @@
 # The one script run on the GPU machine (an H200: python3 3.12 with jax 0.11.2 + CUDA plugin, nanobind,
 # scikit-build-core, cmake, ninja, pytest; no network).
 #
-#   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_off test_pipelined sanitize bench profile
+#   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_off test_pipelined sanitize bench profile compare
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
 #                                     test takes ~7, test_off + test_pipelined ~4)
 #
@@ -16,6 +16,10 @@
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
+#   compare   the same timings for this tree's modules and for a baseline's (prebuilt_base/_jax_msa_*.so, e.g. the
+#             previous commit's build), one after the other on this machine: decode kernel time (ncu_decode.py,
+#             COMPARE_DECODE_CASES) and prefill (bench_prefill.py, COMPARE_PREFILL_ARGS). Timings are only
+#             comparable within one call on one machine, so a change is always measured against its baseline here.
 #
 # Fastest path (no device time spent compiling): build here with
 #   JAX_MSA_CUDA=ON BUILD_DIR=build/cuda .ci/build_inplace.sh && mkdir -p prebuilt && cp build/cuda/_jax_msa_*.so prebuilt/
@@ -175,6 +179,31 @@ stage_bench() {
   return "${rc}"
 }
 
+stage_compare() {
+  shopt -s nullglob
+  local base=(prebuilt_base/_jax_msa_*.so)
+  shopt -u nullglob
+  (( ${#base[@]} )) || { echo "compare: no prebuilt_base/_jax_msa_*.so to compare against"; return 1; }
+  local base_dir="${SCRATCH}/baseline"
+  rm -rf "${base_dir}" && mkdir -p "${base_dir}"
+  cp -r "${PACKAGE_PARENT}/jax_msa" "${base_dir}/" && cp -f "${base[@]}" "${base_dir}/jax_msa/"
+  local decode_cases="${COMPARE_DECODE_CASES:---case 64/4,1,32768,1,BF16 --case 64/4,32,32768,1,BF16 \
+--case 64/4,256,32768,1,BF16 --case 64/4,32,32768,1,FP8 --case 64/4,256,32768,1,FP8 --case 64/4,32,32768,1,NVFP4 \
+--case 64/4,256,32768,1,NVFP4}"
+  local prefill_args="${COMPARE_PREFILL_ARGS:---tokens 32768 --heads 64/4 --fmt BF16 --fmt FP8 --repeats 5 --no-dense}"
+  local which path rc=0
+  for which in tree baseline; do
+    path="${PYTHONPATH}"
+    [[ "${which}" == baseline ]] && path="${base_dir}:${PYTHONPATH}"
+    echo "--- ${which}" | tee -a "${LOG_DIR}/compare.txt"
+    # shellcheck disable=SC2086  # the case lists are word lists on purpose
+    (cd examples/bench && PYTHONPATH="${path}" "${PY}" ncu_decode.py --calls 4 ${decode_cases} &&
+      PYTHONPATH="${path}" "${PY}" bench_prefill.py ${prefill_args}) 2>&1 | tee -a "${LOG_DIR}/compare.txt"
+    (( PIPESTATUS[0] == 0 )) || rc=1
+  done
+  return "${rc}"
+}
+
 stage_profile() {
   "${PY}" examples/bench/ncu_decode.py 2>&1 | tee "${LOG_DIR}/ncu_decode.txt"
 }
@@ -185,8 +214,8 @@ STAGES=("$@")
 (( ${#STAGES[@]} )) || STAGES=(build info test bench)
 for s in "${STAGES[@]}"; do
   case "${s}" in
-    build|info|test|test_off|test_pipelined|sanitize|bench|profile) ;;
-    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined sanitize bench profile)" >&2
+    build|info|test|test_off|test_pipelined|sanitize|bench|profile|compare) ;;
+    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined sanitize bench profile compare)" >&2
        exit 2 ;;
   esac
 done
