@@ -191,40 +191,24 @@ struct ChunkIO<KvFormat::kNvfp4> {
       table[i] = pack_bf16x2(e2m1_to_float(uint8_t(i & 15)), e2m1_to_float(uint8_t(i >> 4)));
   }
 
+  // The prefill kernel's bf16 path: each data byte -> bf16x2 through the table, times the block scale (exact).
   static __device__ __forceinline__ void dequant(const uint8_t* stage, uint8_t* tile, const ChunkRef& c, int key0,
                                                  int lane, const uint32_t* table) {
+    dequant_units(stage, tile, c, key0, lane,
+                  [&](uint32_t w0, uint32_t w1, const uint8_t* sf_ptr, bool live, uint32_t* out) {
+                    const float sf = live ? e4m3_to_float(*sf_ptr) : 0.0f;
+                    const __nv_bfloat162 sf2 = __floats2bfloat162_rn(sf, sf);  // exact: e4m3 fits bf16
+                    const uint32_t words[2] = {w0, w1};
 #pragma unroll
-    for (int i = 0; i < 2 * kKeysPerWarp * 4 / 32; ++i) {  // 128 units of 16 data bytes = 32 values
-      const int idx = i * 32 + lane;
-      const int kv = idx >> 6, key = key0 + ((idx >> 2) & 15), unit = idx & 3;
-      const uint8_t* half = stage + kv * kHalfBytes;
-      const uint4 raw = *reinterpret_cast<const uint4*>(half + key * (kHeadDim / 2) + unit * 16);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-      const bool live = key < c.visible;  // scale bytes of invisible keys may hold anything (even NaN)
-      uint32_t o[16];
+                    for (int j = 0; j < 2; ++j) {
 #pragma unroll
-      for (int grp = 0; grp < 2; ++grp) {
-        const int group = 2 * unit + grp;  // 16-value group 0..7
-        const int scale_off = kv == 0 ? key * 8 + group : (key >> 2) * 32 + 4 * group + (key & 3);
-        const float sf = live ? e4m3_to_float(half[T::kDataBytes + scale_off]) : 0.0f;
-        const __nv_bfloat162 sf2 = __floats2bfloat162_rn(sf, sf);  // exact: e4m3 fits bf16
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const uint32_t word = w[2 * grp + j];
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            const uint32_t pair = table[(word >> (8 * b)) & 0xffu];
-            const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair), sf2);
-            o[grp * 8 + j * 4 + b] = *reinterpret_cast<const uint32_t*>(&v);
-          }
-        }
-      }
-      uint8_t* dst = tile + kv * kBf16TileBytes;
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        *reinterpret_cast<uint4*>(dst + swizzled_offset(key, 4 * unit + q)) =
-            make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-    }
+                      for (int b = 0; b < 4; ++b) {
+                        const uint32_t pair = table[(words[j] >> (8 * b)) & 0xffu];
+                        const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair), sf2);
+                        out[j * 4 + b] = *reinterpret_cast<const uint32_t*>(&v);
+                      }
+                    }
+                  });
   }
 
   // The decode kernel's f16 path, without a table: e2m1 -> f16 by bit placement and the hardware e4m3 conversion
@@ -233,6 +217,32 @@ struct ChunkIO<KvFormat::kNvfp4> {
   static __device__ __forceinline__ void dequant_f16(const uint8_t* stage, uint8_t* tile, const ChunkRef& c, int key0,
                                                      int lane) {
     const __half2 k64 = __floats2half2_rn(64.0f, 64.0f);
+    dequant_units(stage, tile, c, key0, lane,
+                  [&](uint32_t w0, uint32_t w1, const uint8_t* sf_ptr, bool live, uint32_t* out) {
+                    const uint32_t sf_byte = *sf_ptr;
+                    const uint32_t sf_bits = e4m3x2_to_f16x2(sf_byte | (sf_byte << 8));
+                    const __half2 sf2 = live ? __hmul2(*reinterpret_cast<const __half2*>(&sf_bits), k64) : __half2{};
+                    const uint32_t words[2] = {w0, w1};
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                      uint32_t v[4];
+                      e2m1x8_to_f16x8(words[j], v);
+#pragma unroll
+                      for (int b = 0; b < 4; ++b) {
+                        const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&v[b]), sf2);
+                        out[j * 4 + b] = *reinterpret_cast<const uint32_t*>(&x);
+                      }
+                    }
+                  });
+  }
+
+ private:
+  // The loop both dequantizers share: each of the warp's units of 16 data bytes (32 values: two 16-value scale
+  // groups) -> 4 swizzled 16-byte units of the tile. convert(word0, word1, scale byte, live, out) turns one group into
+  // 8 x2 registers; the scale bytes of invisible keys may hold anything (even NaN), hence `live`.
+  template <class ConvertGroup>
+  static __device__ __forceinline__ void dequant_units(const uint8_t* stage, uint8_t* tile, const ChunkRef& c, int key0,
+                                                       int lane, ConvertGroup convert) {
 #pragma unroll
     for (int i = 0; i < 2 * kKeysPerWarp * 4 / 32; ++i) {  // 128 units of 16 data bytes = 32 values
       const int idx = i * 32 + lane;
@@ -240,25 +250,13 @@ struct ChunkIO<KvFormat::kNvfp4> {
       const uint8_t* half = stage + kv * kHalfBytes;
       const uint4 raw = *reinterpret_cast<const uint4*>(half + key * (kHeadDim / 2) + unit * 16);
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-      const bool live = key < c.visible;  // scale bytes of invisible keys may hold anything (even NaN)
+      const bool live = key < c.visible;
       uint32_t o[16];
 #pragma unroll
       for (int grp = 0; grp < 2; ++grp) {
         const int group = 2 * unit + grp;  // 16-value group 0..7
         const int scale_off = kv == 0 ? key * 8 + group : (key >> 2) * 32 + 4 * group + (key & 3);
-        const uint32_t sf_byte = half[T::kDataBytes + scale_off];
-        const uint32_t sf_bits = e4m3x2_to_f16x2(sf_byte | (sf_byte << 8));
-        const __half2 sf2 = live ? __hmul2(*reinterpret_cast<const __half2*>(&sf_bits), k64) : __half2{};
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          uint32_t v[4];
-          e2m1x8_to_f16x8(w[2 * grp + j], v);
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&v[b]), sf2);
-            o[grp * 8 + j * 4 + b] = *reinterpret_cast<const uint32_t*>(&x);
-          }
-        }
+        convert(w[2 * grp], w[2 * grp + 1], half + T::kDataBytes + scale_off, live, o + grp * 8);
       }
       uint8_t* dst = tile + kv * kBf16TileBytes;
 #pragma unroll
