@@ -109,27 +109,19 @@ struct ChunkIO<KvFormat::kFp8> {
 
   // The decode kernel's f16 path: each byte pair -> f16x2 by one hardware conversion.
   static __device__ __forceinline__ void dequant_f16(const uint8_t* stage, uint8_t* tile, int key0, int lane) {
-#pragma unroll
-    for (int i = 0; i < 2 * kKeysPerWarp * 8 / 32; ++i) {
-      const int idx = i * 32 + lane;
-      const int kv = idx >> 7, key = key0 + ((idx >> 3) & 15), unit = idx & 7;
-      const uint4 raw = *reinterpret_cast<const uint4*>(stage + kv * (kChunkKeys * kHeadDim) + key * kHeadDim + unit * 16);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-      uint32_t o[8];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        o[2 * j] = e4m3x2_to_f16x2(w[j]);
-        o[2 * j + 1] = e4m3x2_to_f16x2(w[j] >> 16);
-      }
-      uint8_t* dst = tile + kv * kBf16TileBytes;
-      *reinterpret_cast<uint4*>(dst + swizzled_offset(key, 2 * unit)) = make_uint4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<uint4*>(dst + swizzled_offset(key, 2 * unit + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
-    }
+    dequant_as<MmaOperand::kF16>(stage, tile, key0, lane);
   }
 
   // The prefill kernel's bf16 path (its query tile is bf16).
   static __device__ __forceinline__ void dequant(const uint8_t* stage, uint8_t* tile, const ChunkRef&, int key0,
                                                  int lane) {
+    dequant_as<MmaOperand::kBf16>(stage, tile, key0, lane);
+  }
+
+ private:
+  // The warp's raw rows -> its rows of the swizzled 16-bit tile (Op: f16 or bf16).
+  template <MmaOperand Op>
+  static __device__ __forceinline__ void dequant_as(const uint8_t* stage, uint8_t* tile, int key0, int lane) {
 #pragma unroll
     for (int i = 0; i < 2 * kKeysPerWarp * 8 / 32; ++i) {
       const int idx = i * 32 + lane;
@@ -139,8 +131,13 @@ struct ChunkIO<KvFormat::kFp8> {
       uint32_t o[8];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        o[2 * j] = e4m3x2_to_bf16x2(w[j], false);
-        o[2 * j + 1] = e4m3x2_to_bf16x2(w[j], true);
+        if constexpr (Op == MmaOperand::kF16) {
+          o[2 * j] = e4m3x2_to_f16x2(w[j]);
+          o[2 * j + 1] = e4m3x2_to_f16x2(w[j] >> 16);
+        } else {
+          o[2 * j] = e4m3x2_to_bf16x2(w[j], false);
+          o[2 * j + 1] = e4m3x2_to_bf16x2(w[j], true);
+        }
       }
       uint8_t* dst = tile + kv * kBf16TileBytes;
       *reinterpret_cast<uint4*>(dst + swizzled_offset(key, 2 * unit)) = make_uint4(o[0], o[1], o[2], o[3]);
