@@ -8,26 +8,20 @@
 
 #include "common/kv_format.h"
 #include "common/numeric.h"
+#include "sm80/common/register_pack.cuh"
+#include "sm80/decode/chunk_io.cuh"
 
 namespace jax_msa::sm100 {
 
 constexpr int kHeadDim = 128;
 
-__device__ __forceinline__ uint32_t pack_bf16_pair(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
+using sm80::pack_bf16x2;
 
-// Eight e4m3 codes (low byte first) as eight bf16, exact.
+// Eight e4m3 codes (low byte first) as eight bf16, exact: the warp-MMA kernels' bit placement, two codes at a time.
 __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(uint2 raw) {
-  const uint32_t w[2] = {raw.x, raw.y};
-  uint32_t o[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t pair = w[j >> 1] >> (16 * (j & 1));
-    o[j] = pack_bf16_pair(e4m3_to_float(uint8_t(pair)), e4m3_to_float(uint8_t(pair >> 8)));
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
+  using Fp8 = sm80::decode::ChunkIO<KvFormat::kFp8>;
+  return make_uint4(Fp8::e4m3x2_to_bf16x2(raw.x, false), Fp8::e4m3x2_to_bf16x2(raw.x, true),
+                    Fp8::e4m3x2_to_bf16x2(raw.y, false), Fp8::e4m3x2_to_bf16x2(raw.y, true));
 }
 
 template <KvFormat F>
@@ -63,7 +57,7 @@ __device__ __forceinline__ uint4 load_kv_unit<KvFormat::kNvfp4>(const void* cach
 #pragma unroll
   for (int j = 0; j < 4; ++j) {  // byte j: elements 2j (low nibble), 2j + 1 (high nibble); e2m1 x e4m3 is exact
     const uint8_t b = uint8_t(data >> (8 * j));
-    o[j] = pack_bf16_pair(e2m1_to_float(uint8_t(b & 15u)) * sf, e2m1_to_float(uint8_t(b >> 4)) * sf);
+    o[j] = pack_bf16x2(e2m1_to_float(uint8_t(b & 15u)) * sf, e2m1_to_float(uint8_t(b >> 4)) * sf);
   }
   return make_uint4(o[0], o[1], o[2], o[3]);
 }

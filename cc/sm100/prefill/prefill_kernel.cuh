@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(con
       const float p0 = 32 * c + j < vis ? exp2f(x[j] * scale_log2 - m) : 0.0f;
       const float p1 = 32 * c + j + 1 < vis ? exp2f(x[j + 1] * scale_log2 - m) : 0.0f;
       l += p0 + p1;
-      packed[j / 2] = pack_bf16_pair(p0, p1);
+      packed[j / 2] = pack_bf16x2(p0, p1);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(con
     if (row_ok) {
       uint32_t packed[16];
 #pragma unroll
-      for (int j = 0; j < 32; j += 2) packed[j / 2] = pack_bf16_pair(x[j] * inv, x[j + 1] * inv);
+      for (int j = 0; j < 32; j += 2) packed[j / 2] = pack_bf16x2(x[j] * inv, x[j + 1] * inv);
       uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim + 32 * c);
 #pragma unroll
       for (int u = 0; u < 4; ++u)
