@@ -66,6 +66,20 @@ class PrefillPlan:
         return self.work.shape[0]
 
 
+def _stable_sort_by_key(key, key_bound: int):
+    """(order, sorted key) of a stable ascending sort of key [..., n] along its last axis, 0 <= key < key_bound.
+
+    When key_bound * n fits in 32 bits the sort is one single-operand sort of the composite key * n + index
+    (uint32), which XLA's GPU backend runs as a radix sort; otherwise a stable argsort of the key."""
+    n = key.shape[-1]
+    if key_bound * n <= 2**32:
+        index = jnp.arange(n, dtype=jnp.uint32)
+        composite = jnp.sort(key.astype(jnp.uint32) * jnp.uint32(n) + index, axis=-1)
+        return (composite % jnp.uint32(n)).astype(jnp.int32), (composite // jnp.uint32(n)).astype(jnp.int32)
+    order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+    return order, jnp.take_along_axis(key, order, axis=-1)
+
+
 def work_capacity(num_kv_heads: int, total_q: int, topk: int, batch: int, max_blocks: int,
                   queries_per_tile: int) -> int:
     rows = batch * max_blocks
@@ -116,15 +130,15 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     # Edge keys in (token, k) order; a stable sort keeps tokens ascending within a row.
     row = req[None, :, None] * max_blocks + jnp.where(valid, blk, 0)
     key = jnp.where(valid, row, rows).reshape(hkv, edges)
-    order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
-    sorted_key = jnp.take_along_axis(key, order, axis=-1)
+    order, sorted_key = _stable_sort_by_key(key, rows + 1)
     is_edge = sorted_key < rows
     edge_query = jnp.where(is_edge, order // k, -1)
     edge_rank = jnp.where(is_edge, jnp.take_along_axis(rank.reshape(hkv, edges), order, axis=-1), -1)
 
-    row_count = jax.vmap(lambda kk: jnp.bincount(kk, length=rows + 1))(key)[:, :rows].astype(jnp.int32)
-    row_ptr = jnp.concatenate(
-        [jnp.zeros((hkv, 1), jnp.int32), jnp.cumsum(row_count, axis=-1, dtype=jnp.int32)], axis=-1)
+    # Row pointers by a binary search of each row's first edge in the sorted keys (no scatter).
+    row_ptr = jax.vmap(lambda sk: jnp.searchsorted(sk, jnp.arange(rows + 1, dtype=jnp.int32), side="left"))(
+        sorted_key).astype(jnp.int32)
+    row_count = row_ptr[:, 1:] - row_ptr[:, :-1]
 
     # Work tiles: ceil(count / Q) per (head, row); tile w -> its (head, row) by a search over the
     # inclusive prefix sum of tile counts.
@@ -143,7 +157,7 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     count = jnp.where(w < num_work, count, 0)
     work = jnp.stack([g, r, begin, count], axis=-1)
     work = jnp.where((count > 0)[:, None], work, 0)
-    by_size = jnp.argsort(-count, stable=True)  # largest first, ties by (head, row, tile)
+    by_size, _ = _stable_sort_by_key(qpt - count, qpt + 1)  # largest first, ties by (head, row, tile)
     work = work[by_size]
 
     return PrefillPlan(row_ptr=row_ptr, edge_query=edge_query, edge_rank=edge_rank,
