@@ -148,7 +148,9 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     tile_end = jnp.cumsum(tiles, dtype=jnp.int32)
     num_work = tile_end[-1] if tiles.size else jnp.int32(0)
     w = jnp.arange(cap, dtype=jnp.int32)
-    gr = jnp.clip(jnp.searchsorted(tile_end, w, side="right").astype(jnp.int32), 0, hkv * rows - 1)
+    # (unrolled: a loop would be an XLA while loop, whose trip test costs a host round trip on GPUs)
+    gr = jnp.searchsorted(tile_end, w, side="right", method="scan_unrolled").astype(jnp.int32)
+    gr = jnp.clip(gr, 0, hkv * rows - 1)
     j = w - (tile_end[gr] - tiles[gr])
     g = gr // rows
     r = gr % rows

@@ -24,7 +24,7 @@ def token_requests(cu_seqlens_q, total_q: int):
     """(request [T] int32, in_batch [T] bool) of every query token under varlen packing."""
     t = jnp.arange(total_q, dtype=jnp.int32)
     cu = cu_seqlens_q.astype(jnp.int32)
-    b = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+    b = jnp.searchsorted(cu[1:], t, side="right", method="scan_unrolled").astype(jnp.int32)
     nb = cu.shape[0] - 1
     in_batch = (t >= cu[0]) & (b < nb)
     return jnp.clip(b, 0, nb - 1), in_batch

@@ -60,11 +60,12 @@ def make_inputs(rng, fmt, hq, hkv, batch, context, q_len, rotations, pool_pages)
     return q, cache, topks, jnp.asarray(seq), jnp.asarray(block_table)
 
 
-def bench_case(fmt, hq, hkv, batch, context, q_len, repeats):
+def bench_case(fmt, hq, hkv, batch, context, q_len, repeats, pool_gb=8.0):
     rng = np.random.default_rng(0)
     per_call = batch * q_len * hkv * K * block_bytes(fmt)
     rotations = int(min(64, max(8, math.ceil(200e6 / per_call))))
-    pool = min(batch * context // 128, max(4096, int(8e9 // (block_bytes(fmt) * hkv))))
+    # pages the block tables draw from: a pool of pool_gb GB (at least 4096 pages), at most one page per block
+    pool = min(batch * context // 128, max(4096, int(pool_gb * 1e9 // (block_bytes(fmt) * hkv))))
     q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, rotations, pool)
     scales = {} if fmt == KVFormat.BF16 else dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.5))
 
@@ -107,6 +108,8 @@ def main():
     ap.add_argument("--q-len", type=int, help="only this decode_query_len")
     ap.add_argument("--fmt", help="only this format (BF16, FP8, NVFP4)")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense cuDNN comparison")
+    ap.add_argument("--pool-gb", type=float, default=8.0,
+                    help="size of the page pool the block tables draw from (GB; the spread of the reads)")
     args = ap.parse_args()
     print(f"devices: {jax.devices()}  jax_msa CUDA: {jax_msa.cuda_available()} archs {jax_msa.cuda_archs()}")
     heads = [(64, 4), (16, 1)]
@@ -138,7 +141,7 @@ def main():
                 dense = dense_cache[(hq, hkv, batch, context)]
                 for q_len in q_lens:
                     for fmt in fmts:
-                        r = bench_case(fmt, hq, hkv, batch, context, q_len, args.repeats)
+                        r = bench_case(fmt, hq, hkv, batch, context, q_len, args.repeats, args.pool_gb)
                         speedup = f"{dense / r['us']:.1f}x" if (dense and q_len == 1) else "-"
                         row = (f"| {hq}/{hkv} | {batch} | {context // 1024}k | {q_len} | {fmt.name} | "
                                f"{r['us']:.1f} | {r['p10']:.1f}-{r['p90']:.1f} | {r['bytes'] / 1e6:.2f} | "

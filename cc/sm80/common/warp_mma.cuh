@@ -1,6 +1,6 @@
 // Warp-level MMA building blocks shared by the warp-MMA (sm_80+) decode and prefill kernels: ldmatrix (plain and
-// transposed) from shared memory and the m16n8k16 MMA with fp32 accumulation on bf16 or f16 operands (CuTe's
-// SM75/SM80 atoms), and the log2 / ln constants of their online softmax.
+// transposed) from shared memory, movmatrix (an 8x8 transpose in registers) and the m16n8k16 MMA with fp32
+// accumulation on bf16 or f16 operands (CuTe's SM75/SM80 atoms), and the log2 / ln constants of their online softmax.
 #pragma once
 #include <cstdint>
 
@@ -24,6 +24,13 @@ __device__ __forceinline__ void ldsm_x4(const uint8_t* p, uint32_t& r0, uint32_t
 }
 __device__ __forceinline__ void ldsm_x4_t(const uint8_t* p, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(p), r0, r1, r2, r3);
+}
+// The 8x8 16-bit matrix whose fragment a warp holds (lane: row lane / 4, columns 2 (lane % 4), +1) transposed, in the
+// same fragment layout: the register path's V tiles become the B operand of P V.
+__device__ __forceinline__ uint32_t movmatrix_t(uint32_t a) {
+  uint32_t d;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
 }
 // d += a * b for one 16x8x16 tile: a = 4 x2 registers (row major), b = 2 (column major)
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

@@ -1,6 +1,7 @@
 // Warp-MMA (sm_80+) decode: moving one 64-key chunk of K and V from the paged cache into shared memory (cp.async,
-// zero-filled past the visible keys) and, for FP8 / NVFP4, dequantizing it into the swizzled 16-bit tile (bf16, or
-// f16 for FP8 in the decode kernel) that the MMA warps read with ldmatrix. Scales: FP8 values are the raw e4m3
+// zero-filled past the visible keys) and, for FP8 / NVFP4, converting it: into the MMA registers as f16 (row_f16, the
+// decode kernel's register path) or into the swizzled bf16 tile that the prefill kernel reads with ldmatrix
+// (dequant). Scales: FP8 values are the raw e4m3
 // numbers (the per-layer k_scale / v_scale are folded into the softmax scale and the output); NVFP4 values are
 // e2m1 x e4m3 block scale, exact in bf16 (the global scales are folded likewise).
 #pragma once
@@ -92,7 +93,30 @@ struct ChunkIO<KvFormat::kFp8> {
       const int kv = idx >> 7, key = key0 + ((idx >> 3) & 15), unit = idx & 7;
       const bool pred = key < c.visible;
       const uint8_t* src = pred ? base + key * (2 * kHeadDim) + kv * kHeadDim + unit * 16 : base;
-      cp_async_16(stage + kv * (kChunkKeys * kHeadDim) + key * kHeadDim + unit * 16, src, pred);
+      cp_async_16(stage + raw_offset(kv, key, unit), src, pred);
+    }
+  }
+
+  // Byte offset of 16-byte unit `unit` (0..7) of row `key` of K (kv = 0) or V in a stage: rows of 128 B, the unit
+  // index XORed with key % 8, so that the lanes of a quarter warp reading units 2c + h of two rows (row_f16) and
+  // those reading 8 units of one row (dequant) hit distinct banks.
+  static __device__ __forceinline__ int raw_offset(int kv, int key, int unit) {
+    return kv * (kChunkKeys * kHeadDim) + key * kHeadDim + ((unit ^ (key & 7)) << 4);
+  }
+
+  // The decode kernel's register path: dims [32 c, 32 c + 32) of row `key` of K (kv = 0) or V as 16 f16x2 registers,
+  // register i = dims (32 c + 2 i, 32 c + 2 i + 1); one hardware conversion per register, exact.
+  static __device__ __forceinline__ void row_f16(const uint8_t* stage, const ChunkRef&, int kv, int key, int c,
+                                                 uint32_t (&out)[16]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(stage + raw_offset(kv, key, 2 * c + h));
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        out[8 * h + 2 * j] = e4m3x2_to_f16x2(w[j]);
+        out[8 * h + 2 * j + 1] = e4m3x2_to_f16x2(w[j] >> 16);
+      }
     }
   }
 
@@ -107,37 +131,20 @@ struct ChunkIO<KvFormat::kFp8> {
     return *reinterpret_cast<const uint32_t*>(&v);
   }
 
-  // The decode kernel's f16 path: each byte pair -> f16x2 by one hardware conversion.
-  static __device__ __forceinline__ void dequant_f16(const uint8_t* stage, uint8_t* tile, int key0, int lane) {
-    dequant_as<MmaOperand::kF16>(stage, tile, key0, lane);
-  }
-
-  // The prefill kernel's bf16 path (its query tile is bf16).
+  // The prefill kernel's path (its query tile is bf16): the warp's raw rows -> its rows of the swizzled bf16 tile.
   static __device__ __forceinline__ void dequant(const uint8_t* stage, uint8_t* tile, const ChunkRef&, int key0,
                                                  int lane) {
-    dequant_as<MmaOperand::kBf16>(stage, tile, key0, lane);
-  }
-
- private:
-  // The warp's raw rows -> its rows of the swizzled 16-bit tile (Op: f16 or bf16).
-  template <MmaOperand Op>
-  static __device__ __forceinline__ void dequant_as(const uint8_t* stage, uint8_t* tile, int key0, int lane) {
 #pragma unroll
     for (int i = 0; i < 2 * kKeysPerWarp * 8 / 32; ++i) {
       const int idx = i * 32 + lane;
       const int kv = idx >> 7, key = key0 + ((idx >> 3) & 15), unit = idx & 7;
-      const uint4 raw = *reinterpret_cast<const uint4*>(stage + kv * (kChunkKeys * kHeadDim) + key * kHeadDim + unit * 16);
+      const uint4 raw = *reinterpret_cast<const uint4*>(stage + raw_offset(kv, key, unit));
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
       uint32_t o[8];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if constexpr (Op == MmaOperand::kF16) {
-          o[2 * j] = e4m3x2_to_f16x2(w[j]);
-          o[2 * j + 1] = e4m3x2_to_f16x2(w[j] >> 16);
-        } else {
-          o[2 * j] = e4m3x2_to_bf16x2(w[j], false);
-          o[2 * j + 1] = e4m3x2_to_bf16x2(w[j], true);
-        }
+        o[2 * j] = e4m3x2_to_bf16x2(w[j], false);
+        o[2 * j + 1] = e4m3x2_to_bf16x2(w[j], true);
       }
       uint8_t* dst = tile + kv * kBf16TileBytes;
       *reinterpret_cast<uint4*>(dst + swizzled_offset(key, 2 * unit)) = make_uint4(o[0], o[1], o[2], o[3]);
@@ -208,32 +215,44 @@ struct ChunkIO<KvFormat::kNvfp4> {
                   });
   }
 
-  // The decode kernel's f16 path, without a table: e2m1 -> f16 by bit placement and the hardware e4m3 conversion
-  // (value x 2^-6), times the block scale x 2^6 in f16. Exact: e2m1 x e4m3 has at most 6 significant bits and lies
-  // in [2^-10, 2688] (or is 0), inside f16's normal range.
-  static __device__ __forceinline__ void dequant_f16(const uint8_t* stage, uint8_t* tile, const ChunkRef& c, int key0,
-                                                     int lane) {
+  // The decode kernel's register path, without a table: dims [32 c, 32 c + 32) of row `key` of K (kv = 0) or V as
+  // 16 f16x2 registers, register i = dims (32 c + 2 i, 32 c + 2 i + 1). e2m1 -> f16 by bit placement and the
+  // hardware e4m3 conversion (value x 2^-6), times the block scale x 2^6 in f16. Exact: e2m1 x e4m3 has at most 6
+  // significant bits and lies in [2^-10, 2688] (or is 0), inside f16's normal range. The scale bytes of invisible
+  // keys may hold anything (even NaN): their scale is taken as 0.
+  static __device__ __forceinline__ void row_f16(const uint8_t* stage, const ChunkRef& c, int kv, int key, int quad,
+                                                 uint32_t (&out)[16]) {
+    const uint8_t* half = stage + kv * kHalfBytes;
+    const uint4 raw = *reinterpret_cast<const uint4*>(half + key * (kHeadDim / 2) + quad * 16);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    const bool live = key < c.visible;
     const __half2 k64 = __floats2half2_rn(64.0f, 64.0f);
-    dequant_units(stage, tile, c, key0, lane,
-                  [&](uint32_t w0, uint32_t w1, const uint8_t* sf_ptr, bool live, uint32_t* out) {
-                    const uint32_t sf_byte = *sf_ptr;
-                    const uint32_t sf_bits = e4m3x2_to_f16x2(sf_byte | (sf_byte << 8));
-                    const __half2 sf2 = live ? __hmul2(*reinterpret_cast<const __half2*>(&sf_bits), k64) : __half2{};
-                    const uint32_t words[2] = {w0, w1};
 #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                      uint32_t v[4];
-                      e2m1x8_to_f16x8(words[j], v);
+    for (int grp = 0; grp < 2; ++grp) {
+      const int group = 2 * quad + grp;  // 16-value scale group of words 2 grp, 2 grp + 1
+      const uint32_t sf_byte = half[T::kDataBytes + scale_offset(kv, key, group)];
+      const uint32_t sf_bits = e4m3x2_to_f16x2(sf_byte | (sf_byte << 8));
+      const __half2 sf2 = live ? __hmul2(*reinterpret_cast<const __half2*>(&sf_bits), k64) : __half2{};
 #pragma unroll
-                      for (int b = 0; b < 4; ++b) {
-                        const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&v[b]), sf2);
-                        out[j * 4 + b] = *reinterpret_cast<const uint32_t*>(&x);
-                      }
-                    }
-                  });
+      for (int j = 0; j < 2; ++j) {
+        uint32_t v[4];
+        e2m1x8_to_f16x8(w[2 * grp + j], v);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&v[b]), sf2);
+          out[8 * grp + 4 * j + b] = *reinterpret_cast<const uint32_t*>(&x);
+        }
+      }
+    }
   }
 
  private:
+  // Offset of the scale byte of 16-value group `group` (0..7) of chunk key `key` in a stage's scale area: K linear
+  // (key * 8 + group), V in quads ((key / 4) * 32 + 4 group + key % 4), the slot's byte order.
+  static __device__ __forceinline__ int scale_offset(int kv, int key, int group) {
+    return kv == 0 ? key * 8 + group : (key >> 2) * 32 + 4 * group + (key & 3);
+  }
+
   // The loop both dequantizers share: each of the warp's units of 16 data bytes (32 values: two 16-value scale
   // groups) -> 4 swizzled 16-byte units of the tile. convert(word0, word1, scale byte, live, out) turns one group into
   // 8 x2 registers; the scale bytes of invisible keys may hold anything (even NaN), hence `live`.
@@ -252,8 +271,7 @@ struct ChunkIO<KvFormat::kNvfp4> {
 #pragma unroll
       for (int grp = 0; grp < 2; ++grp) {
         const int group = 2 * unit + grp;  // 16-value group 0..7
-        const int scale_off = kv == 0 ? key * 8 + group : (key >> 2) * 32 + 4 * group + (key & 3);
-        convert(w[2 * grp], w[2 * grp + 1], half + T::kDataBytes + scale_off, live, o + grp * 8);
+        convert(w[2 * grp], w[2 * grp + 1], half + T::kDataBytes + scale_offset(kv, key, group), live, o + grp * 8);
       }
       uint8_t* dst = tile + kv * kBf16TileBytes;
 #pragma unroll

@@ -3,9 +3,12 @@
 // Work unit (one CTA): query token t, KV head g, split s of t's valid selected blocks.
 //   MMA rows  : the G <= 16 query heads of (t, g), zero padded to 16 (mma.sync m16n8k16, bf16 or f16 -> fp32)
 //   pipeline  : chunks of 64 keys (half a block) of K and V, cp.async (zero-fill past the visible keys),
-//               kStages deep; FP8 and NVFP4 chunks are converted to f16 in shared memory before the MMAs (exact:
-//               hardware e4m3 -> f16 conversion on sm_89+, e2m1 placed as e4m3 by bit operations), so their MMAs
-//               take f16 operands (kOperand; the query is scaled into f16 per row), bf16 caches bf16 ones
+//               kStages deep. bf16 chunks are read by ldmatrix. FP8 and NVFP4 chunks stay raw in shared memory and
+//               go straight into the MMA registers as f16 (the register path, kRegisterPath: exact hardware
+//               e4m3 -> f16 conversion on sm_89+, e2m1 placed as e4m3 by bit operations; V transposed by movmatrix),
+//               so their MMAs take f16 operands (kOperand; the query is scaled into f16 per row). On that path lane l
+//               owns dims [32 (l % 4), +32) of Q, K and V: the MMA's k order over dims is permuted (QK^T does not
+//               care) and the O accumulator's dims with it (undone in the epilogue)
 //   warps     : 4; warp w owns keys [16w, 16w + 16) of every chunk and keeps its own online softmax
 //               (m, l, O); a warp also loads and dequantizes only its own rows, so the main loop has no
 //               CTA-wide barrier; the 4 warps merge through shared memory at the end
@@ -38,15 +41,15 @@ template <>
 struct FormatTraits<KvFormat::kBf16> {
   static constexpr int kStages = 3;
   static constexpr int kStageBytes = 2 * kBf16TileBytes;  // K | V, swizzled bf16 (read by ldmatrix)
-  static constexpr bool kNeedsDequant = false;
+  static constexpr bool kRegisterPath = false;
   static constexpr MmaOperand kOperand = MmaOperand::kBf16;
 };
 
 template <>
 struct FormatTraits<KvFormat::kFp8> {
-  static constexpr int kStages = 4;
-  static constexpr int kStageBytes = 2 * kChunkKeys * kHeadDim;  // K | V, raw e4m3 rows of 128 B
-  static constexpr bool kNeedsDequant = true;
+  static constexpr int kStages = 6;
+  static constexpr int kStageBytes = 2 * kChunkKeys * kHeadDim;  // K | V, raw e4m3 rows of 128 B (units swizzled)
+  static constexpr bool kRegisterPath = true;
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
 };
 
@@ -55,24 +58,21 @@ struct FormatTraits<KvFormat::kNvfp4> {
   // K data 64x64 B | K scales 512 B | V data 64x64 B | V scales 512 B (slot byte order kept)
   static constexpr int kDataBytes = kChunkKeys * kHeadDim / 2;
   static constexpr int kScaleBytes = kChunkKeys * kHeadDim / 16;
-  static constexpr int kStages = 6;
+  static constexpr int kStages = 10;
   static constexpr int kStageBytes = 2 * (kDataBytes + kScaleBytes);
-  static constexpr bool kNeedsDequant = true;
+  static constexpr bool kRegisterPath = true;
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
 };
 
-// Shared-memory plan: [stages][scratch 16-bit K|V when dequantizing][chunk table][block list]
+// Shared-memory plan: [stages] dynamic; the chunk table and the merge statistics are static arrays
 template <KvFormat F>
 struct SharedPlan {
   using T = FormatTraits<F>;
   static constexpr int kStagesOffset = 0;
-  static constexpr int kScratchOffset = T::kStages * T::kStageBytes;
-  static constexpr int kScratchBytes = T::kNeedsDequant ? 2 * kBf16TileBytes : 0;
-  static constexpr int kTableOffset = kScratchOffset + kScratchBytes;
-  static constexpr int kBytes = kTableOffset;  // the chunk table lives in static shared memory
+  static constexpr int kBytes = T::kStages * T::kStageBytes;
   // The epilogue reuses the stage area for the warps' fp32 partial outputs.
   static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
-  static_assert(kScratchOffset + kScratchBytes >= kMergeBytes, "merge area must fit in the reused stages");
+  static_assert(kBytes >= kMergeBytes, "merge area must fit in the reused stages");
   // <= 96 KB dynamic + a few KB of static arrays: within the 99 KB per-block limit of sm_86 / sm_89 / sm_120,
   // so the same kernels launch on every sm_80+ GPU.
   static_assert(kBytes <= 96 * 1024, "fits every sm_80+ GPU");

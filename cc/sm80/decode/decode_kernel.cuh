@@ -37,31 +37,38 @@ __device__ __forceinline__ uint32_t load_q_bf16x2(const DecodeParams& p, int64_t
   return *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + off);
 }
 
-// Q as the A operand of 8 k-steps of 16 dims, rows lane / 4 (registers 0, 2) and lane / 4 + 8 (1, 3). bf16: the
-// values as they are (row_factor 1). f16: each row times 2^s with s chosen from the row's largest magnitude so that
-// it lands in [2^14, 2^15) (f16's top binade; every bf16 value then keeps its 8 significant bits unless it is
-// 2^-38 times smaller than that largest one), and row_factor = 2^-s undoes it on the scores.
-template <MmaOperand Op>
+// The first of the two dims that k-step ks, registers j and j + 1 (j = 0 or 2) of an A or B fragment hold in lane
+// `lane`: the MMA's own order (ldmatrix path), or the register path's, where lane l owns dims [32 (l % 4), +32) and
+// k-step ks takes dims 32 (l % 4) + 4 ks + {0, 1} (j = 0) and + {2, 3} (j = 2).
+template <bool kLaneDims>
+__device__ __forceinline__ int fragment_dim(int lane, int ks, int j) {
+  return kLaneDims ? 32 * (lane & 3) + 4 * ks + j : 16 * ks + 2 * (lane & 3) + 4 * j;
+}
+
+// Q as the A operand of 8 k-steps, rows lane / 4 (registers 0, 2) and lane / 4 + 8 (1, 3), dims as fragment_dim
+// places them. bf16: the values as they are (row_factor 1). f16: each row times 2^s with s chosen from the row's
+// largest magnitude so that it lands in [2^14, 2^15) (f16's top binade; every bf16 value then keeps its 8
+// significant bits unless it is 2^-38 times smaller than that largest one), and row_factor = 2^-s undoes it on the
+// scores.
+template <MmaOperand Op, bool kLaneDims>
 __device__ __forceinline__ void load_q_fragments(const DecodeParams& p, int64_t row_base, int group, int lane,
                                                  uint32_t (&qf)[8][4], float (&row_factor)[2]) {
-  const int r0 = lane >> 2, c2 = (lane & 3) * 2;
+  const int r0 = lane >> 2;
   row_factor[0] = row_factor[1] = 1.0f;
   if constexpr (Op == MmaOperand::kBf16) {
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
-      qf[ks][0] = load_q_bf16x2(p, row_base, r0, group, ks * 16 + c2);
-      qf[ks][1] = load_q_bf16x2(p, row_base, r0 + 8, group, ks * 16 + c2);
-      qf[ks][2] = load_q_bf16x2(p, row_base, r0, group, ks * 16 + 8 + c2);
-      qf[ks][3] = load_q_bf16x2(p, row_base, r0 + 8, group, ks * 16 + 8 + c2);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        qf[ks][j] = load_q_bf16x2(p, row_base, r0 + 8 * (j & 1), group, fragment_dim<kLaneDims>(lane, ks, j & 2));
     }
   } else {
     float2 v[8][4];
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
-      v[ks][0] = load_q_pair(p, row_base, r0, group, ks * 16 + c2);
-      v[ks][1] = load_q_pair(p, row_base, r0 + 8, group, ks * 16 + c2);
-      v[ks][2] = load_q_pair(p, row_base, r0, group, ks * 16 + 8 + c2);
-      v[ks][3] = load_q_pair(p, row_base, r0 + 8, group, ks * 16 + 8 + c2);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        v[ks][j] = load_q_pair(p, row_base, r0 + 8 * (j & 1), group, fragment_dim<kLaneDims>(lane, ks, j & 2));
     }
     float mul[2];
     {
@@ -147,11 +154,12 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
   const float scale_log2 = p.softmax_scale * q_scale * k_scale * kLog2e;
 
   // ---- 3. Q fragments (A operand, 8 k-steps of 16 dims) for rows lane/4 and lane/4 + 8
+  constexpr bool kRegisterPath = Traits::kRegisterPath;
   const int r0 = lane >> 2, c2 = (lane & 3) * 2;
   const int64_t q_row_base = int64_t(t) * p.num_q_heads + int64_t(g) * group;
   uint32_t qf[8][4];
   float row_scale[2];
-  load_q_fragments<kOp>(p, q_row_base, group, lane, qf, row_scale);
+  load_q_fragments<kOp, kRegisterPath>(p, q_row_base, group, lane, qf, row_scale);
   row_scale[0] *= scale_log2;
   row_scale[1] *= scale_log2;
 
@@ -161,10 +169,9 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
   OnlineSoftmax softmax;
 
   uint8_t* stages = smem + Plan::kStagesOffset;
-  uint8_t* scratch = smem + Plan::kScratchOffset;
   auto stage_ptr = [&](int c) { return stages + (c % Traits::kStages) * Traits::kStageBytes; };
-  const int key0 = warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads, converts and reads
-                                         // only those rows, so the loop synchronizes with __syncwarp alone
+  const int key0 = warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads and reads only those
+                                         // rows, so the loop synchronizes with __syncwarp alone
 
   // ---- 4. per-warp pipeline over the chunks
 #pragma unroll
@@ -174,35 +181,31 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
   }
   for (int c = 0; c < n_chunks; ++c) {
     cute::cp_async_wait<Traits::kStages - 2>();
-    __syncwarp();  // the warp's rows of chunk c have landed; its rows of chunk c-1 (stage, scratch) are free
+    __syncwarp();  // the warp's rows of chunk c have landed; its rows of chunk c-1's stage are free
     const int next = c + Traits::kStages - 1;
     if (next < n_chunks) ChunkIO<F>::load(stage_ptr(next), p.kv_cache, p.num_kv_heads, g, s_chunks[next], key0, lane);
     cute::cp_async_fence();
     const ChunkRef ref = s_chunks[c];
-    const uint8_t* tile;  // swizzled 16-bit (kOp) K | V of this chunk
-    if constexpr (F == KvFormat::kNvfp4) {
-      ChunkIO<F>::dequant_f16(stage_ptr(c), scratch, ref, key0, lane);
-      __syncwarp();
-      tile = scratch;
-    } else if constexpr (F == KvFormat::kFp8) {
-      ChunkIO<F>::dequant_f16(stage_ptr(c), scratch, key0, lane);
-      __syncwarp();
-      tile = scratch;
-    } else {
-      tile = stage_ptr(c);
-    }
-    const uint8_t* k_tile = tile;
-    const uint8_t* v_tile = tile + kBf16TileBytes;
+    const uint8_t* stage = stage_ptr(c);
 
-    // S = Q K^T over the warp's 16 keys: 2 n-tiles x 8 k-steps
+    // S = Q K^T over the warp's 16 keys: 2 n-tiles (keys key0 + lane / 4, + 8) x 8 k-steps
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    {
+    if constexpr (kRegisterPath) {
+      uint32_t k_regs[2][16];
+      ChunkIO<F>::row_f16(stage, ref, 0, key0 + r0, lane & 3, k_regs[0]);
+      ChunkIO<F>::row_f16(stage, ref, 0, key0 + 8 + r0, lane & 3, k_regs[1]);
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        mma_16x8x16<kOp>(s[0], qf[ks], k_regs[0][2 * ks], k_regs[0][2 * ks + 1]);
+        mma_16x8x16<kOp>(s[1], qf[ks], k_regs[1][2 * ks], k_regs[1][2 * ks + 1]);
+      }
+    } else {
       const int key = key0 + ((lane >> 4) << 3) + (lane & 7);
       const int unit_hi = (lane >> 3) & 1;
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
         uint32_t b00, b01, b10, b11;
-        ldsm_x4(k_tile + swizzled_offset(key, 2 * ks + unit_hi), b00, b01, b10, b11);
+        ldsm_x4(stage + swizzled_offset(key, 2 * ks + unit_hi), b00, b01, b10, b11);
         mma_16x8x16<kOp>(s[0], qf[ks], b00, b01);
         mma_16x8x16<kOp>(s[1], qf[ks], b10, b11);
       }
@@ -218,10 +221,19 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
     }
     float alpha[2];
     if (softmax.update(s, alpha)) rescale_rows(acc, alpha);
-    // O += P V: P as the A operand (keys = k), V^T tiles via ldmatrix.trans
+    // O += P V: P as the A operand (keys = k), V^T tiles via ldmatrix.trans (or movmatrix)
     const uint32_t pa[4] = {pack_operand_x2<kOp>(s[0][0], s[0][1]), pack_operand_x2<kOp>(s[0][2], s[0][3]),
                             pack_operand_x2<kOp>(s[1][0], s[1][1]), pack_operand_x2<kOp>(s[1][2], s[1][3])};
-    {
+    if constexpr (kRegisterPath) {
+      // V rows key0 + lane / 4 (keys 0-7 of the k-step) and + 8 as 8x8 tiles (keys x the lane's dims), transposed in
+      // registers into B fragments; n-tile t holds dims 32 (l % 4) + 2 t, +1 of lane l (see the epilogue)
+      uint32_t v_regs[2][16];
+      ChunkIO<F>::row_f16(stage, ref, 1, key0 + r0, lane & 3, v_regs[0]);
+      ChunkIO<F>::row_f16(stage, ref, 1, key0 + 8 + r0, lane & 3, v_regs[1]);
+#pragma unroll
+      for (int t = 0; t < 16; ++t) mma_16x8x16<kOp>(acc[t], pa, movmatrix_t(v_regs[0][t]), movmatrix_t(v_regs[1][t]));
+    } else {
+      const uint8_t* v_tile = stage + kBf16TileBytes;
       const int key = key0 + (((lane >> 3) & 1) << 3) + (lane & 7);
       const int unit_hi = lane >> 4;
 #pragma unroll
@@ -246,9 +258,10 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const Decode
     s_l[warp][r0 + 8] = softmax.l[1];
   }
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    float* w0 = merge + (warp * kRows + r0) * kHeadDim + i * 8 + c2;
-    float* w1 = merge + (warp * kRows + r0 + 8) * kHeadDim + i * 8 + c2;
+  for (int i = 0; i < 16; ++i) {  // n-tile i: dims i * 8 + 2 (l % 4), +1 (ldmatrix path) or 32 (l % 4) + 2 i, +1
+    const int d = kRegisterPath ? 32 * (lane & 3) + 2 * i : i * 8 + c2;
+    float* w0 = merge + (warp * kRows + r0) * kHeadDim + d;
+    float* w1 = merge + (warp * kRows + r0 + 8) * kHeadDim + d;
     *reinterpret_cast<float2*>(w0) = make_float2(acc[i][0], acc[i][1]);
     *reinterpret_cast<float2*>(w1) = make_float2(acc[i][2], acc[i][3]);
   }

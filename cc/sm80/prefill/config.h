@@ -37,13 +37,14 @@ constexpr int kCtasPerSm = 2;
 template <KvFormat F>
 struct SharedPlan {
   using T = FormatTraits<F>;
+  static constexpr bool kDequantized = F != KvFormat::kBf16;  // staged raw, then converted into the bf16 tiles
   static constexpr int kTileHalfBytes = 2 * kBf16TileBytes;  // K | V of 64 keys in swizzled bf16
   static constexpr int kQueryOffset = 2 * kTileHalfBytes;
   static constexpr int kQueryBytes = kTileRows * kHeadDim * 2;
-  static constexpr int kRawOffset = T::kNeedsDequant ? kQueryOffset : 0;  // bf16: the raw halves are the tiles
-  static constexpr int kRawHalfBytes = T::kNeedsDequant ? T::kStageBytes : kTileHalfBytes;
+  static constexpr int kRawOffset = kDequantized ? kQueryOffset : 0;  // bf16: the raw halves are the tiles
+  static constexpr int kRawHalfBytes = kDequantized ? T::kStageBytes : kTileHalfBytes;
   static constexpr int kBytes = kQueryOffset + kQueryBytes;
-  static_assert(!T::kNeedsDequant || 2 * T::kStageBytes <= kQueryBytes, "raw block fits the query region");
+  static_assert(!kDequantized || 2 * T::kStageBytes <= kQueryBytes, "raw block fits the query region");
   static_assert(kCtasPerSm * kBytes <= 227 * 1024 - kCtasPerSm * 4096, "two CTAs an SM");
   // <= 96 KB dynamic + a few KB of static arrays: within the 99 KB per-block limit of sm_86 / sm_89 / sm_120,
   // so the same kernels launch on every sm_80+ GPU.
