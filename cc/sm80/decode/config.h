@@ -42,14 +42,16 @@ struct FormatTraits<KvFormat::kBf16> {
   static constexpr int kStages = 3;
   static constexpr int kStageBytes = 2 * kBf16TileBytes;  // K | V, swizzled bf16 (read by ldmatrix)
   static constexpr bool kRegisterPath = false;
+  static constexpr int kCtasPerSm = 2;
   static constexpr MmaOperand kOperand = MmaOperand::kBf16;
 };
 
 template <>
 struct FormatTraits<KvFormat::kFp8> {
-  static constexpr int kStages = 6;
+  static constexpr int kStages = 4;
   static constexpr int kStageBytes = 2 * kChunkKeys * kHeadDim;  // K | V, raw e4m3 rows of 128 B (units swizzled)
   static constexpr bool kRegisterPath = true;
+  static constexpr int kCtasPerSm = 3;
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
 };
 
@@ -58,9 +60,10 @@ struct FormatTraits<KvFormat::kNvfp4> {
   // K data 64x64 B | K scales 512 B | V data 64x64 B | V scales 512 B (slot byte order kept)
   static constexpr int kDataBytes = kChunkKeys * kHeadDim / 2;
   static constexpr int kScaleBytes = kChunkKeys * kHeadDim / 16;
-  static constexpr int kStages = 10;
+  static constexpr int kStages = 7;
   static constexpr int kStageBytes = 2 * (kDataBytes + kScaleBytes);
   static constexpr bool kRegisterPath = true;
+  static constexpr int kCtasPerSm = 3;
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
 };
 
@@ -73,6 +76,8 @@ struct SharedPlan {
   // The epilogue reuses the stage area for the warps' fp32 partial outputs.
   static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
   static_assert(kBytes >= kMergeBytes, "merge area must fit in the reused stages");
+  // kCtasPerSm CTAs an SM on sm_90 / sm_100 (227 KB; a few KB of static arrays and the driver's reserve each)
+  static_assert(T::kCtasPerSm * (kBytes + 3 * 1024) <= 227 * 1024, "kCtasPerSm CTAs fit an SM's shared memory");
   // <= 96 KB dynamic + a few KB of static arrays: within the 99 KB per-block limit of sm_86 / sm_89 / sm_120,
   // so the same kernels launch on every sm_80+ GPU.
   static_assert(kBytes <= 96 * 1024, "fits every sm_80+ GPU");

@@ -98,7 +98,8 @@ __device__ __forceinline__ void load_q_fragments(const DecodeParams& p, int64_t 
 }
 
 template <KvFormat F>
-__global__ void __launch_bounds__(kThreads, 2) sparse_decode_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
+    sparse_decode_kernel(const DecodeParams p) {
   using Traits = FormatTraits<F>;
   using Plan = SharedPlan<F>;
   extern __shared__ __align__(128) uint8_t smem[];
