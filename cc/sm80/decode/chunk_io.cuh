@@ -1,9 +1,9 @@
 // Warp-MMA (sm_80+) decode: moving one 64-key chunk of K and V from the paged cache into shared memory (cp.async,
 // zero-filled past the visible keys) and, for FP8 / NVFP4, converting it: into the MMA registers as f16 (row_f16, the
 // decode kernel's register path) or into the swizzled bf16 tile that the prefill kernel reads with ldmatrix
-// (dequant). Scales: FP8 values are the raw e4m3
-// numbers (the per-layer k_scale / v_scale are folded into the softmax scale and the output); NVFP4 values are
-// e2m1 x e4m3 block scale, exact in bf16 (the global scales are folded likewise).
+// (dequant). Scales: FP8 values are the raw e4m3 numbers (the per-layer k_scale / v_scale are folded into the
+// softmax scale and the output); NVFP4 values are e2m1 x e4m3 block scale, exact in bf16 (the global scales are
+// folded likewise).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -253,7 +253,7 @@ struct ChunkIO<KvFormat::kNvfp4> {
     return kv == 0 ? key * 8 + group : (key >> 2) * 32 + 4 * group + (key & 3);
   }
 
-  // The loop both dequantizers share: each of the warp's units of 16 data bytes (32 values: two 16-value scale
+  // The tile dequantizer's loop (dequant): each of the warp's units of 16 data bytes (32 values: two 16-value scale
   // groups) -> 4 swizzled 16-byte units of the tile. convert(word0, word1, scale byte, live, out) turns one group into
   // 8 x2 registers; the scale bytes of invisible keys may hold anything (even NaN), hence `live`.
   template <class ConvertGroup>
