@@ -13,6 +13,7 @@
 #   test      pytest -m gpu, XLA command buffers as configured (default: on)
 #   test_off  pytest -m gpu with command buffers disabled: small cases and command-buffer tests (FULL=1: all)
 #   test_pipelined  the bf16 prefill tests with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
+#   test_warp_mma   the bf16 prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200 default: wgmma)
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
@@ -147,6 +148,14 @@ stage_test_pipelined() {
     -k "test_gpu_prefill and (BF16 or corners or total_q)"
 }
 
+# The bf16 prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1): on an H200 the default run gives
+# those calls to the wgmma kernel.
+stage_test_warp_mma() {
+  echo "--- prefill tests, JAX_MSA_DISABLE_SM90_KERNELS=1"
+  JAX_MSA_DISABLE_SM90_KERNELS=1 run_pytest "${LOG_DIR}/junit_gpu_prefill_warp_mma.xml" -m gpu \
+    -k "test_gpu_prefill and (BF16 or corners or total_q or nan_past or kernel_path)"
+}
+
 stage_sanitize() {
   command -v compute-sanitizer >/dev/null 2>&1 || { echo "sanitize: compute-sanitizer not found"; return 1; }
   # The platform allocator gives every buffer its own allocation, so out-of-bounds accesses are not hidden inside
@@ -214,8 +223,8 @@ STAGES=("$@")
 (( ${#STAGES[@]} )) || STAGES=(build info test bench)
 for s in "${STAGES[@]}"; do
   case "${s}" in
-    build|info|test|test_off|test_pipelined|sanitize|bench|profile|compare) ;;
-    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined sanitize bench profile compare)" >&2
+    build|info|test|test_off|test_pipelined|test_warp_mma|sanitize|bench|profile|compare) ;;
+    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined test_warp_mma sanitize bench profile compare)" >&2
        exit 2 ;;
   esac
 done

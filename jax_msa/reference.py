@@ -87,6 +87,7 @@ def _attend_tokens(q, k_pages, v_pages, topk, req, pos, in_batch, seq_lens, bloc
         vals = v_pages[page, g]
         kpos = jnp.where(valid, blk, 0)[..., None] * PAGE_SIZE + jnp.arange(PAGE_SIZE)  # [Hkv, K, 128]
         mask = valid[..., None] & (kpos <= p)
+        vals = jnp.where(mask[..., None], vals, 0.0)  # keys never attended (past the sequence too) never reach O
         qg = q_t.reshape(hkv, g_size, d)
         if precision == "bf16":
             s = jnp.einsum("ghd,gkjd->ghkj", qg.astype(jnp.bfloat16), keys.astype(jnp.bfloat16),

@@ -1,4 +1,6 @@
-"""Prefill kernel (cc/sm80, warp-MMA) vs the float64 oracle on the GPU (run on the H200: `.ci/gpu_run.sh test`).
+"""Prefill kernels vs the float64 oracle on the GPU (run on the H200: `.ci/gpu_run.sh test`). On the H200 the bf16
+calls with G = 8 or 16 run the wgmma kernel (cc/sm90/prefill), the others the warp-MMA kernel (cc/sm80/prefill);
+`.ci/gpu_run.sh test_warp_mma` runs the bf16 cases again with JAX_MSA_DISABLE_SM90_KERNELS=1.
 
 Outputs and partials are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1, set here).
 Bound: the kernel's error against the float64 oracle is at most 2x the error of a bf16 jnp implementation
@@ -117,11 +119,38 @@ def test_prefill_fp8_query():
     assert k_err <= 2 * b_err + 2.0**-12, (k_err, b_err)
 
 
-def test_prefill_deterministic():
+@pytest.mark.parametrize("group", [8, 16])
+def test_prefill_nan_past_sequence(group):
+    # The last page of each request holds NaN past seq_len (K and V): those keys are never attended, and P = 0 there
+    # must not meet them (0 * NaN); the tile's other rows see every key of the block.
+    p = make_problem(29 + group, q_lens=[300, 77, 1], seq_lens=[300, 1000, 129], num_q_heads=2 * group,
+                     num_kv_heads=2, topk=8)
+    cache = np.array(p.kv_cache)
+    table = np.asarray(p.block_table)
+    for b, s in enumerate(np.asarray(p.seq_lens)):
+        if s % 128:
+            cache[table[b, (s - 1) // 128], :, s % 128:, :] = np.nan
+    p.kv_cache = jnp.asarray(cache)
+    check(p, KVFormat.BF16)
+
+
+def test_prefill_kernel_path_on_this_gpu():
+    """An H100 / H200 with a build for sm_90a takes the sm90 path (the wgmma prefill for the bf16 calls above)."""
+    from jax_msa import _ffi
+    cc = jax.devices()[0].compute_capability
+    major, minor = (int(x) for x in cc.split("."))
+    if (major, minor) != (9, 0) or "90a" not in jax_msa.cuda_archs():
+        pytest.skip(f"compute capability {cc}, archs {jax_msa.cuda_archs()}")
+    want = "warp_mma" if os.environ.get("JAX_MSA_DISABLE_SM90_KERNELS") == "1" else "sm90"
+    assert _ffi.kernel_path(major, minor, sm90_enabled=want == "sm90") == want
+
+
+@pytest.mark.parametrize("fmt", [KVFormat.BF16, KVFormat.NVFP4], ids=lambda f: f.name)
+def test_prefill_deterministic(fmt):
     p = make_problem(17, q_lens=[700], seq_lens=[1500], num_q_heads=16, num_kv_heads=2, topk=16,
-                     cache_from_kv=cache_maker(KVFormat.NVFP4))
-    a = run(p, KVFormat.NVFP4)
-    b = run(p, KVFormat.NVFP4)
+                     cache_from_kv=cache_maker(fmt))
+    a = run(p, fmt)
+    b = run(p, fmt)
     np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
     np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
 

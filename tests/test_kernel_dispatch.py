@@ -13,6 +13,8 @@ pytestmark = pytest.mark.skipif(not jax_msa.cuda_available(), reason="needs a bu
 # (in the default list), sm_103a for 10.3.
 SM100_10_0 = "sm100" if "100a" in jax_msa.cuda_archs() else "warp_mma"
 SM100_10_3 = "sm100" if "103a" in jax_msa.cuda_archs() else "warp_mma"
+# The wgmma prefill is selectable on 9.0 where the build holds sm_90a (in the default list).
+SM90 = "sm90" if "90a" in jax_msa.cuda_archs() else "warp_mma"
 
 CASES = [
     # (major, minor, JAX_MSA_ENABLE_SM100_KERNELS=1?) -> kernels
@@ -21,7 +23,7 @@ CASES = [
     ((8, 0, False), "warp_mma"),  # A100
     ((8, 6, False), "warp_mma"),  # RTX 30xx, A10
     ((8, 9, False), "warp_mma"),  # L40, RTX 40xx
-    ((9, 0, False), "warp_mma"),  # H100 / H200: the kernels the GPU tests verify
+    ((9, 0, False), SM90),  # H100 / H200: the wgmma prefill + the warp-MMA kernels, both verified
     ((10, 0, False), "warp_mma"),  # B200 without the opt-in
     ((10, 0, True), SM100_10_0),  # B200 with the opt-in: the tcgen05 kernels (unverified)
     ((10, 3, True), SM100_10_3),  # B300: needs 103a in the build
@@ -35,6 +37,13 @@ CASES = [
 def test_dispatch_table(capability, want):
     major, minor, sm100 = capability
     assert _ffi.kernel_path(major, minor, sm100_enabled=sm100) == want
+
+
+def test_sm90_kernels_can_be_disabled():
+    """JAX_MSA_DISABLE_SM90_KERNELS=1 (sm90_enabled=False) leaves an H100 / H200 on the warp-MMA kernels."""
+    assert _ffi.kernel_path(9, 0, sm90_enabled=False) == "warp_mma"
+    assert _ffi.kernel_path(9, 0, sm90_enabled=True) == SM90
+    assert _ffi.kernel_path(8, 0, sm90_enabled=True) == "warp_mma"  # the sm_90a code runs on 9.0 only
 
 
 def test_every_translation_unit_holds_sass_for_every_compiled_arch():

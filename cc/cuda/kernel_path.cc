@@ -12,6 +12,7 @@ const char* kernel_path_name(KernelPath path) {
   switch (path) {
     case KernelPath::kWarpMma: return "warp_mma";
     case KernelPath::kSm100: return "sm100";
+    case KernelPath::kSm90: return "sm90";
     case KernelPath::kUnsupported: break;
   }
   return "unsupported";
@@ -21,6 +22,14 @@ bool sm100_kernels_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("JAX_MSA_ENABLE_SM100_KERNELS");
     return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
+  return on;
+}
+
+bool sm90_kernels_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAX_MSA_DISABLE_SM90_KERNELS");
+    return !(v != nullptr && v[0] == '1' && v[1] == '\0');
   }();
   return on;
 }
@@ -61,7 +70,8 @@ cudaError_t current_kernel_path(KernelPath* path, int* major, int* minor) {
   }
   *major = capability / 10;
   *minor = capability % 10;
-  *path = select_kernel_path(*major, *minor, sm100_kernels_built_for(*minor), sm100_kernels_enabled());
+  *path = select_kernel_path(*major, *minor, sm100_kernels_built_for(*minor), sm100_kernels_enabled(),
+                             kSm90KernelsBuilt, sm90_kernels_enabled());
   return cudaSuccess;
 }
 

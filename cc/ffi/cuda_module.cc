@@ -78,12 +78,13 @@ NB_MODULE(_jax_msa_cuda, m) {
   m.def("compiled_archs", &compiled_archs, "CUDA architectures compiled into this module, e.g. ['90a'].");
   m.def(
       "select_kernel_path",
-      [](int major, int minor, bool sm100_enabled) {
+      [](int major, int minor, bool sm100_enabled, bool sm90_enabled) {
         return std::string(jax_msa::cuda::kernel_path_name(jax_msa::cuda::select_kernel_path(
-            major, minor, jax_msa::cuda::sm100_kernels_built_for(minor), sm100_enabled)));
+            major, minor, jax_msa::cuda::sm100_kernels_built_for(minor), sm100_enabled,
+            jax_msa::cuda::kSm90KernelsBuilt, sm90_enabled)));
       },
-      nanobind::arg("major"), nanobind::arg("minor"), nanobind::arg("sm100_enabled"),
+      nanobind::arg("major"), nanobind::arg("minor"), nanobind::arg("sm100_enabled"), nanobind::arg("sm90_enabled"),
       "The attention kernels the CUDA handlers pick for a device of this compute capability (cuda/kernel_path.h): "
-      "'warp_mma', 'sm100' or 'unsupported'.");
+      "'warp_mma', 'sm90', 'sm100' or 'unsupported'.");
   jax_msa::ffi_bind::add_version_info(m);
 }

@@ -1,6 +1,7 @@
 // XLA FFI handler of jax_msa_prefill for platform CUDA: binds the buffers (plan included) into PrefillParams
-// and launches the prefill and combine kernels on XLA's stream: the warp-MMA ones (cc/sm80), or the tcgen05 prefill
-// (cc/sm100, unverified) where the dispatch table selects it. No host sync, no allocation (the partials
+// and launches the prefill and combine kernels on XLA's stream: the wgmma prefill (cc/sm90) on the sm90 path where it
+// serves the call, the warp-MMA ones (cc/sm80), or the tcgen05 prefill (cc/sm100, unverified) where the dispatch table
+// selects it. No host sync, no allocation (the partials
 // arrive as extra results), so it is safe inside XLA command buffers.
 #include <cuda_runtime.h>
 
@@ -13,6 +14,7 @@
 #include "ffi/kernel_path_check.h"
 #include "sm100/prefill/prefill.h"
 #include "sm80/prefill/prefill.h"
+#include "sm90/prefill/prefill.h"
 
 namespace ffi = xla::ffi;
 namespace fb = jax_msa::ffi_bind;
@@ -36,8 +38,11 @@ ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   jax_msa::cuda::KernelPath path;
   if (auto e = fb::select_attention_kernels("prefill", &path); e.failure()) return e;
   const bool tcgen05 = path == jax_msa::cuda::KernelPath::kSm100;
+  // sm90 path: the wgmma kernel where it serves the call, the warp-MMA kernel otherwise
+  const bool wgmma = path == jax_msa::cuda::KernelPath::kSm90 && jax_msa::sm90::prefill::prefill_supports(p, nullptr);
   const char* why = nullptr;
   const bool supported = tcgen05 ? jax_msa::sm100::prefill::prefill_supports(p, &why)
+                         : wgmma ? true
                                  : jax_msa::sm80::prefill::prefill_supports(p, &why);
   if (!supported)
     return fb::invalid(std::string("the CUDA prefill kernel does not serve this call: ") + why);
@@ -46,7 +51,8 @@ ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
     if (cudaError_t e = fb::poison(ptr, bytes, stream); e != cudaSuccess)
       return ffi::Error::Internal(std::string("jax_msa prefill poison failed: ") + cudaGetErrorString(e));
   if (cudaError_t e = tcgen05 ? jax_msa::sm100::prefill::sparse_prefill(p, stream)
-                               : jax_msa::sm80::prefill::sparse_prefill(p, stream);
+                       : wgmma   ? jax_msa::sm90::prefill::sparse_prefill(p, stream)
+                                 : jax_msa::sm80::prefill::sparse_prefill(p, stream);
       e != cudaSuccess)
     return fb::launch_failure("prefill", e);
   return ffi::Error::Success();

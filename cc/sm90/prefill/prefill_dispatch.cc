@@ -1,0 +1,50 @@
+// Hopper (sm_90a) sparse prefill: what it serves, the TMA descriptors of the call, the kernel, then the combine.
+#include <cstdint>
+
+#include "cuda/tensor_map.h"
+#include "sm80/prefill/prefill.h"
+#include "sm90/prefill/prefill.h"
+
+namespace jax_msa::sm90::prefill {
+
+namespace {
+constexpr int kHeadDim = 128;
+constexpr int64_t kPageSize = 128;
+}  // namespace
+
+bool prefill_supports(const PrefillParams& p, const char** why) {
+  const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
+  const char* reason = nullptr;
+  if (p.kv_format != KvFormat::kBf16) reason = "the wgmma prefill takes a bf16 KV cache";
+  else if (p.q_is_fp8) reason = "the wgmma prefill takes bf16 queries";
+  else if (p.head_dim != kHeadDim) reason = "head_dim must be 128";
+  else if (group != 8 && group != 16) reason = "the wgmma prefill packs G = 8 or 16 query heads a token";
+  else if (p.total_q > 0 && (p.partial_o == nullptr || p.partial_lse == nullptr)) reason = "partial workspaces missing";
+  else if (p.num_pages * p.num_kv_heads * kPageSize >= (int64_t(1) << 31) ||
+           int64_t(p.total_q) * p.num_q_heads >= (int64_t(1) << 31))
+    reason = "TMA row coordinates beyond int32";
+  if (why) *why = reason;
+  return reason == nullptr;
+}
+
+cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
+  if (p.total_q == 0) return cudaSuccess;
+  TmaPrefillArgs args{};
+  args.p = p;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  if (cudaError_t e = cuda::encode_bf16_tensor_map_2d(&args.q_map, p.q, uint64_t(p.total_q) * p.num_q_heads, kHeadDim,
+                                                      kHeadDim * 2, uint32_t(group), 64);
+      e != cudaSuccess)
+    return e;
+  if (p.num_pages > 0) {
+    if (cudaError_t e = cuda::encode_bf16_tensor_map_2d(&args.kv_map, p.kv_cache,
+                                                        uint64_t(p.num_pages) * p.num_kv_heads * kPageSize,
+                                                        2 * kHeadDim, 2 * kHeadDim * 2, uint32_t(kPageSize), 64);
+        e != cudaSuccess)
+      return e;
+  }
+  if (cudaError_t e = launch_sparse_prefill_bf16(args, stream); e != cudaSuccess) return e;
+  return sm80::prefill::launch_combine_partials(p, stream);
+}
+
+}  // namespace jax_msa::sm90::prefill

@@ -1,0 +1,37 @@
+"""What the Hopper (sm_90a) wgmma prefill kernel of cc/sm90 compiles to, checked on any machine with nvcc (its
+numerics are checked on the H200 by test_gpu_prefill.py): warpgroup MMAs (HGMMA) for S = Q K^T and O = P V, TMA loads
+(UTMALDG), register reconfiguration, no spills, and none of ptxas's "wgmma serialized" diagnostics (C7520), which a
+wgmma under a data-dependent branch or a barrier wait with one in flight would bring back."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import sass as sass_tools
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    tools = sass_tools.tools()
+    return sass_tools.compile_unit(tools, "sm90/prefill/prefill_bf16.cu", "sm_90a", tmp_path_factory.mktemp("sm90"),
+                                   defines=("JAX_MSA_SM90_KERNELS=1",))
+
+
+def test_wgmma_prefill_sass(compiled):
+    sass, _ = compiled
+    kernels = set(re.findall(r"\.text\.(\S*sparse_prefill_wgmma_kernel\S*):", sass))
+    assert len(kernels) == 1, kernels
+    # S: 2 halves x 8 k-steps of m64n64k16; O: 2 halves x 4 k-steps of m64n128k16 (bf16 in, fp32 out)
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) >= 16
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) >= 8
+    assert re.search(r"\bUTMALDG\.2D\b", sass), "no TMA loads"
+    assert re.search(r"USETMAXREG\.DEALLOC", sass) and re.search(r"USETMAXREG\.TRY_ALLOC", sass)
+    assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"
+
+
+def test_wgmma_prefill_not_serialized(compiled):
+    _, log = compiled
+    assert "C7520" not in log and "serialized" not in log, log
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
