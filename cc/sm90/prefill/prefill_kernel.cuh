@@ -219,6 +219,8 @@ __device__ __forceinline__ void issue_values(const uint8_t* v_tile, MmaO& mma_o,
                                              TO& tOrO) {
   using namespace cute;
   Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<const Element*>(v_tile)), VtLayout{});
+  warpgroup_fence_operand(tOrP0);  // P's registers are written before the wgmma reads them
+  warpgroup_fence_operand(tOrP1);
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();
   mma_o.accumulate_ = GMMA::ScaleOut::Zero;
@@ -337,6 +339,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
     consume_items(a, s, plan, n_items, wg - 1);
   }
+#else
+  __trap();  // no sm_90a code in this architecture's image: fail loudly rather than leave the partials unwritten
 #endif
 }
 
