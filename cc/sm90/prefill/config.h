@@ -11,9 +11,10 @@
 //   pipeline : kStages stages of [Q tile | K | V], full barriers (TMA transaction bytes) and empty barriers (one arrival
 //              per consumer warp once its last wgmma has read the stage); the producer runs up to kStages - 1 items
 //              ahead, so loads overlap the consumers' MMAs and their partial stores
-//   MMA      : S = Q K^T by wgmma m64n64k16 (both operands in shared memory, K-major) for each visible 64-key half of
-//              the block; O = P V by wgmma m64n128k16 with P from registers and V MN-major (the same K-major tile viewed
-//              as dims x keys); setmaxnreg gives the consumers 232 registers a thread
+//   MMA      : S = Q K^T by wgmma m64n64k16 (both operands in shared memory, K-major) for both 64-key halves of the
+//              block (keys nobody sees are masked); O = P V by wgmma m64n128k16 with P from registers and V MN-major (the same K-major tile viewed
+//              as dims x keys). A consumer issues the next item's S before it waits for this item's O, so the tensor
+//              cores work while it stores this item's partials (setmaxnreg: 232 registers a consumer thread)
 //   softmax  : over the whole block at once (both halves' S are in registers), causal mask per row (key < visible)
 //   output   : one normalized bf16 partial (and its lse) per (query, selected block) at the plan's rank slot, as the
 //              warp-MMA kernel writes them; the warp-MMA combine (sm80/prefill/combine_partials.cu) merges them
@@ -72,6 +73,7 @@ struct TileMeta {
   int visible[kMaxTokens];  // keys of the block the token sees (causal; 0 when the page is invalid)
   int count;                // tokens in the tile
   int visible_max;          // keys any token sees: 0 = nothing was loaded
+  int n_keys;               // keys of the block inside the request (the producer zeroes the V rows past it)
 };
 
 struct alignas(1024) SharedStorage {

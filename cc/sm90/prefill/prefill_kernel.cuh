@@ -77,6 +77,7 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, SharedSto
     if (lane == 0) {
       m.count = count;
       m.visible_max = visible_max;
+      m.n_keys = v.n_keys;
     }
     __syncwarp();
     const bool load = visible_max > 0;
@@ -114,11 +115,12 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, SharedSto
 
 // ---- consumers: two warpgroups, 64 tile rows each -------------------------------------------------------------------
 
-// What a consumer thread keeps of one work item: its two rows' queries and visibility, and how many halves are seen.
+// What a consumer thread keeps of one work item: its two rows' queries and visibility, and the block's halves.
 struct ItemRows {
   int head;       // KV head g
   int count;      // tokens in the tile
   int halves;     // 64-key halves any token sees: 0, 1 or 2
+  int n_keys;     // keys of the block inside the request (V rows past it are zeroed before use)
   int vis[2], query[2], rank[2];
 };
 
@@ -136,6 +138,7 @@ __device__ __forceinline__ ItemRows wait_item(SharedStorage& s, const PlanView& 
   const TileMeta& m = s.meta[st];
   it.count = m.count;
   it.halves = m.visible_max > kHalfKeys ? 2 : (m.visible_max > 0 ? 1 : 0);
+  it.n_keys = m.n_keys;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const bool ok = tok[r] < it.count;
@@ -147,7 +150,7 @@ __device__ __forceinline__ ItemRows wait_item(SharedStorage& s, const PlanView& 
 }
 
 // S = Q K^T of both halves of a stage as one wgmma group (keys nobody sees are masked later). No wgmma sits under a
-// data-dependent branch: ptxas would serialize them.
+// data-dependent branch and no barrier wait runs while one is in flight: either makes ptxas wait for the group.
 template <class ThrS, class TS>
 __device__ __forceinline__ void issue_scores(const SharedStorage::Stage& sg, int wg, MmaS& mma_s, ThrS& thr_s,
                                              TS& tSrS0, TS& tSrS1) {
@@ -205,11 +208,17 @@ __device__ __forceinline__ void probabilities(const ItemRows& it, int c2, float 
   }
   const float base[2] = {m[0] == -INFINITY ? 0.0f : m[0], m[1] == -INFINITY ? 0.0f : m[1]};
 #pragma unroll
-  for (int i = 0; i < 64; ++i) {  // i = 32 h + 4 j + e
-    const int h = i >> 5, e = i & 3;
-    const float pr = exp2f(sc[h][(i >> 2) & 7][e] - base[e >> 1]);
-    l[e >> 1] += pr;
-    (h == 0 ? tOrP0 : tOrP1)(i & 31) = Element(pr);
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pr = exp2f(sc[h][j][e] - base[e >> 1]);
+        l[e >> 1] += pr;
+        if (h == 0) tOrP0(4 * j + e) = Element(pr);
+        else tOrP1(4 * j + e) = Element(pr);
+      }
+    }
   }
 }
 
@@ -219,8 +228,6 @@ __device__ __forceinline__ void issue_values(const uint8_t* v_tile, MmaO& mma_o,
                                              TO& tOrO) {
   using namespace cute;
   Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<const Element*>(v_tile)), VtLayout{});
-  warpgroup_fence_operand(tOrP0);  // P's registers are written before the wgmma reads them
-  warpgroup_fence_operand(tOrP1);
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();
   mma_o.accumulate_ = GMMA::ScaleOut::Zero;
@@ -265,9 +272,8 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Pla
   }
 }
 
-// Per item: S = Q K^T, softmax, O = P V, then the stage is released and the partials stored while the producer fills
-// the next stages. (Issuing the next item's S before this item's O was measured slower with two stages: it needs the
-// next item's data sooner than the producer, one item ahead, can bring it.)
+// Per item: S (issued one item ahead), softmax, O = P V; then the next item's S is issued before this item's O is
+// waited for, so the tensor cores compute it while this item's partials are stored.
 __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedStorage& s, const PlanView& plan,
                                               int n_items, int wg) {
   using namespace cute;
@@ -293,23 +299,34 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   Tensor tOrP0 = make_tensor<Element>(PLayout{});
   Tensor tOrP1 = make_tensor<Element>(PLayout{});
 
-  int k = 0;
-  for (int w = blockIdx.x; w < n_items; w += gridDim.x, ++k) {
+  int w = blockIdx.x, k = 0;
+  ItemRows cur = wait_item(s, plan, w, k, tok);
+  issue_scores(s.stage[0], wg, mma_s, thr_s, tSrS0, tSrS1);
+  while (true) {
     const int st = k % kStages;
-    const ItemRows it = wait_item(s, plan, w, k, tok);
-    issue_scores(s.stage[st], wg, mma_s, thr_s, tSrS0, tSrS1);
-    warpgroup_wait<0>();
+    warpgroup_wait<0>();  // S of the current item; nothing in flight
     warpgroup_fence_operand(tSrS0);
     warpgroup_fence_operand(tSrS1);
     float m[2], l[2];
-    probabilities(it, c2, scale_log2, tSrS0, tSrS1, tOrP0, tOrP1, m, l);
+    probabilities(cur, c2, scale_log2, tSrS0, tSrS1, tOrP0, tOrP1, m, l);
+    const int w_next = w + int(gridDim.x);
+    const bool more = w_next < n_items;
+    ItemRows next = cur;
+    if (more) next = wait_item(s, plan, w_next, k + 1, tok);  // (the producer is normally ahead: no wait)
     issue_values(s.stage[st].v, mma_o, thr_o, tOrP0, tOrP1, tOrO);
-    warpgroup_wait<0>();
+    // the next item's S (after the last item: a harmless product of the other, idle stage, never read)
+    issue_scores(s.stage[(k + 1) % kStages], wg, mma_s, thr_s, tSrS0, tSrS1);
+    warpgroup_wait<1>();  // O of the current item; the next S may still run
     warpgroup_fence_operand(tOrO);
     __syncwarp();
     if (lane == 0) ClusterBarrier::arrive(&s.empty[st]);  // this warp no longer reads the stage
-    store_partials(p, plan, it, tok, head_in_group, group, lane, tOrO, m, l);
+    store_partials(p, plan, cur, tok, head_in_group, group, lane, tOrO, m, l);
+    if (!more) break;
+    cur = next;
+    w = w_next;
+    ++k;
   }
+  warpgroup_wait<0>();
 }
 
 __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const __grid_constant__ TmaPrefillArgs a) {

@@ -1,0 +1,74 @@
+"""Does the order of the prefill work list matter? The same plan with its valid work items permuted on the host (every
+order gives bit-identical outputs: one partial per (query, block), merged in rank order), timed as bench_prefill.py
+times the attention call: one request of N new tokens, bf16 KV, the bench_prefill top-k.
+
+    python examples/bench/bench_work_order.py                # 32k, heads 64/4
+    python examples/bench/bench_work_order.py --tokens 131072 --heads 16/1
+
+Orders: as built (largest first, ties by (head, block)); by (head, first token); by (first token, head); by (head,
+token block, block). Ordering by token lets the query rows, re-read once per selected block, hit L2.
+"""
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_msa
+from bench_prefill import D, PEAK, make_cache, make_topk, useful_flops
+from jax_msa.plan import default_queries_per_tile
+from timing import median_p10_p90
+
+
+def orders(plan):
+    work = np.asarray(plan.work)
+    n = int(np.asarray(plan.num_work)[0])
+    g, row, begin, _ = work[:n].T
+    first = np.asarray(plan.edge_query)[g, begin]
+    return work, n, {"as built": np.arange(n), "head, token": np.lexsort((first, g)),
+                     "token, head": np.lexsort((g, first)), "head, token block, block": np.lexsort((row, first // 128, g))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--heads", default="64/4")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="3 repeats (the gpu_run.sh bench stage)")
+    a = ap.parse_args()
+    if a.quick:
+        a.repeats = 3
+    n = a.tokens
+    hq, hkv = (int(x) for x in a.heads.split("/"))
+    blocks = -(-n // 128)
+    topk_np = make_topk(np.random.default_rng(0), n, hkv)
+    q = jax.random.normal(jax.random.PRNGKey(0), (n, hq, D), jnp.bfloat16)
+    cache = make_cache("BF16", blocks, hkv)
+    topk, cu, seq = jnp.asarray(topk_np), jnp.asarray([0, n], jnp.int32), jnp.asarray([n], jnp.int32)
+    bt = jnp.arange(blocks, dtype=jnp.int32)[None]
+    plan = jax.jit(lambda t, c, s: jax_msa.build_prefill_plan(
+        t, c, s, max_blocks=blocks, queries_per_tile=default_queries_per_tile(hq, hkv)))(topk, cu, seq)
+    attn = jax.jit(lambda q, c, t, cu, s, b, p: jax_msa.sparse_attention(
+        q, c, t, cu_seqlens_q=cu, seq_lens=s, block_table=b, plan=p, impl="kernel"))
+    flops = useful_flops(topk_np, n, hq)
+    work, valid, perms = orders(plan)
+    print(f"{valid} work items; {n // 1024}k tokens, heads {hq}/{hkv}")
+    print("| order | kernels ms (p10-p90) | of 790 | output |")
+    print("|---|---|---|---|")
+    ref = None
+    for name, perm in perms.items():
+        permuted = work.copy()
+        permuted[:valid] = work[:valid][perm]
+        p = dataclasses.replace(plan, work=jnp.asarray(permuted))
+        out = np.asarray(attn(q, cache, topk, cu, seq, bt, p)).view(np.uint16)
+        same = "reference" if ref is None else ("bit-identical" if np.array_equal(out, ref) else "DIFFERENT")
+        ref = out if ref is None else ref
+        med, lo, hi = median_p10_p90(attn, (q, cache, topk, cu, seq, bt, p), a.repeats)
+        print(f"| {name} | {med * 1e3:.2f} ({lo * 1e3:.2f}-{hi * 1e3:.2f}) | {100 * flops / med / PEAK:.1f}% | {same} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
