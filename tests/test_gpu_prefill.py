@@ -134,17 +134,6 @@ def test_prefill_nan_past_sequence(group):
     check(p, KVFormat.BF16)
 
 
-def test_prefill_kernel_path_on_this_gpu():
-    """An H100 / H200 with a build for sm_90a takes the sm90 path (the wgmma prefill for the bf16 calls above)."""
-    from jax_msa import _ffi
-    cc = jax.devices()[0].compute_capability
-    major, minor = (int(x) for x in cc.split("."))
-    if (major, minor) != (9, 0) or "90a" not in jax_msa.cuda_archs():
-        pytest.skip(f"compute capability {cc}, archs {jax_msa.cuda_archs()}")
-    want = "warp_mma" if os.environ.get("JAX_MSA_DISABLE_SM90_KERNELS") == "1" else "sm90"
-    assert _ffi.kernel_path(major, minor, sm90_enabled=want == "sm90") == want
-
-
 @pytest.mark.parametrize("fmt", [KVFormat.BF16, KVFormat.NVFP4], ids=lambda f: f.name)
 def test_prefill_deterministic(fmt):
     p = make_problem(17, q_lens=[700], seq_lens=[1500], num_q_heads=16, num_kv_heads=2, topk=16,

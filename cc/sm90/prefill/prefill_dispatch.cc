@@ -1,6 +1,7 @@
 // Hopper (sm_90a) sparse prefill: what it serves, the TMA descriptors of the call, the kernel, then the combine.
 #include <cstdint>
 
+#include "common/kv_format.h"
 #include "cuda/tensor_map.h"
 #include "sm80/prefill/prefill.h"
 #include "sm90/prefill/prefill.h"
@@ -8,8 +9,7 @@
 namespace jax_msa::sm90::prefill {
 
 namespace {
-constexpr int kHeadDim = 128;
-constexpr int64_t kPageSize = 128;
+constexpr int kHeadDim = 128;  // (config.h's, without pulling CuTe into this host file); kPageSize: common/kv_format.h
 }  // namespace
 
 bool prefill_supports(const PrefillParams& p, const char** why) {
