@@ -2,7 +2,8 @@
 # The one script run on the GPU machine (an H200: python3 3.12 with jax 0.11.2 + CUDA plugin, nanobind,
 # scikit-build-core, cmake, ninja, pytest; no network).
 #
-#   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_off test_pipelined sanitize bench profile compare
+#   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_off test_pipelined test_warp_mma test_sm90_fp8
+#                                     sanitize sanitize_sm90_fp8 bench profile compare
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
 #                                     test takes ~7, test_off + test_pipelined ~4)
 #
@@ -14,6 +15,8 @@
 #   test_off  pytest -m gpu with command buffers disabled: small cases and command-buffer tests (FULL=1: all)
 #   test_pipelined  the bf16 prefill tests with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
 #   test_warp_mma   the bf16 prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200 default: wgmma)
+#   test_sm90_fp8   the FP8 prefill tests on the opt-in wgmma FP8 path (JAX_MSA_SM90_FP8_PREFILL=1)
+#   sanitize_sm90_fp8  memcheck over the FP8 small prefill case on that path (opt-in until it runs clean)
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
@@ -156,6 +159,16 @@ stage_test_warp_mma() {
     -k "test_gpu_prefill and (BF16 or corners or total_q or nan_past)"
 }
 
+# The FP8 prefill tests on the opt-in wgmma path (converter warps; JAX_MSA_SM90_FP8_PREFILL=1).
+stage_test_sm90_fp8() {
+  echo "--- prefill tests, JAX_MSA_SM90_FP8_PREFILL=1"
+  JAX_MSA_SM90_FP8_PREFILL=1 run_pytest "${LOG_DIR}/junit_gpu_prefill_sm90_fp8.xml" -m gpu -k "test_gpu_prefill and FP8"
+}
+
+stage_sanitize_sm90_fp8() {
+  JAX_MSA_SM90_FP8_PREFILL=1 SANITIZE_SELECT="test_prefill_small_for_sanitizer and FP8" stage_sanitize
+}
+
 stage_sanitize() {
   command -v compute-sanitizer >/dev/null 2>&1 || { echo "sanitize: compute-sanitizer not found"; return 1; }
   # The platform allocator gives every buffer its own allocation, so out-of-bounds accesses are not hidden inside
@@ -163,7 +176,7 @@ stage_sanitize() {
   local -a LAUNCHER=(compute-sanitizer --tool memcheck --error-exitcode 1 --report-api-errors no)
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-    run_pytest "${LOG_DIR}/junit_sanitize.xml" -m "gpu and sanitize"
+    run_pytest "${LOG_DIR}/junit_sanitize.xml" -m "gpu and sanitize" ${SANITIZE_SELECT:+-k "${SANITIZE_SELECT}"}
 }
 
 stage_bench() {
@@ -223,8 +236,8 @@ STAGES=("$@")
 (( ${#STAGES[@]} )) || STAGES=(build info test bench)
 for s in "${STAGES[@]}"; do
   case "${s}" in
-    build|info|test|test_off|test_pipelined|test_warp_mma|sanitize|bench|profile|compare) ;;
-    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined test_warp_mma sanitize bench profile compare)" >&2
+    build|info|test|test_off|test_pipelined|test_warp_mma|test_sm90_fp8|sanitize|sanitize_sm90_fp8|bench|profile|compare) ;;
+    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined test_warp_mma test_sm90_fp8 sanitize sanitize_sm90_fp8 bench profile compare)" >&2
        exit 2 ;;
   esac
 done

@@ -1,6 +1,7 @@
 """Prefill kernels vs the float64 oracle on the GPU (run on the H200: `.ci/gpu_run.sh test`). On the H200 the bf16
 calls with G = 8 or 16 run the wgmma kernel (cc/sm90/prefill), the others the warp-MMA kernel (cc/sm80/prefill);
-`.ci/gpu_run.sh test_warp_mma` runs the bf16 cases again with JAX_MSA_DISABLE_SM90_KERNELS=1.
+`.ci/gpu_run.sh test_warp_mma` runs the bf16 cases again with JAX_MSA_DISABLE_SM90_KERNELS=1, and
+`.ci/gpu_run.sh test_sm90_fp8` the FP8 cases on the opt-in wgmma FP8 path (JAX_MSA_SM90_FP8_PREFILL=1).
 
 Outputs and partials are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1, set here).
 Bound: the kernel's error against the float64 oracle is at most 2x the error of a bf16 jnp implementation
@@ -134,7 +135,7 @@ def test_prefill_nan_past_sequence(group):
     check(p, KVFormat.BF16)
 
 
-@pytest.mark.parametrize("fmt", [KVFormat.BF16, KVFormat.NVFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
 def test_prefill_deterministic(fmt):
     p = make_problem(17, q_lens=[700], seq_lens=[1500], num_q_heads=16, num_kv_heads=2, topk=16,
                      cache_from_kv=cache_maker(fmt))

@@ -1,7 +1,7 @@
-"""What the Hopper (sm_90a) wgmma prefill kernel of cc/sm90 compiles to, checked on any machine with nvcc (its
-numerics are checked on the H200 by test_gpu_prefill.py): warpgroup MMAs (HGMMA) for S = Q K^T and O = P V, TMA loads
-(UTMALDG), register reconfiguration, no spills, and none of ptxas's "wgmma serialized" diagnostics (C7520), which a
-wgmma under a data-dependent branch or a barrier wait with one in flight would bring back."""
+"""What the Hopper (sm_90a) wgmma prefill kernels of cc/sm90 (bf16 and FP8 KV) compile to, checked on any machine with
+nvcc (their numerics are checked on the H200 by test_gpu_prefill.py): warpgroup MMAs (HGMMA) for S = Q K^T and
+O = P V, TMA loads (UTMALDG), register reconfiguration, no spills, and none of ptxas's "wgmma serialized" diagnostics
+(C7520), which a wgmma under a data-dependent branch would bring back."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 import sass as sass_tools
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def compiled(request, tmp_path_factory):
     tools = sass_tools.tools()
-    return sass_tools.compile_unit(tools, "sm90/prefill/prefill_bf16.cu", "sm_90a", tmp_path_factory.mktemp("sm90"),
-                                   defines=("JAX_MSA_SM90_KERNELS=1",))
+    return sass_tools.compile_unit(tools, f"sm90/prefill/prefill_{request.param}.cu", "sm_90a",
+                                   tmp_path_factory.mktemp("sm90"), defines=("JAX_MSA_SM90_KERNELS=1",))
 
 
 def test_wgmma_prefill_sass(compiled):
@@ -35,6 +35,6 @@ def test_wgmma_prefill_not_serialized(compiled):
     _, log = compiled
     assert "C7520" not in log and "serialized" not in log, log
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
-    # setmaxnreg: 128 x 40 + 256 x 232 registers come out of the 384 x 168 the kernel launches with; with fewer, the
-    # consumers' allocation would wait forever
+    # setmaxnreg: 128 x 40 + 256 x 232 (FP8: 128 x 56 + 256 x 224) registers come out of the 384 x 168 the kernel
+    # launches with; with fewer, the consumers' allocation would wait forever
     assert re.search(r"Used 168 registers", log), log

@@ -14,4 +14,9 @@ namespace jax_msa::cuda {
 cudaError_t encode_bf16_tensor_map_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
                                       uint64_t row_bytes, uint32_t box_rows, uint32_t box_cols);
 
+// A row-major 2-D byte tensor [rows, cols] (row stride row_bytes, a multiple of 16) read in boxes of box_cols x
+// box_rows bytes (box_cols a multiple of 16, at most 256), unswizzled: the box lands row-major.
+cudaError_t encode_u8_tensor_map_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
+                                    uint64_t row_bytes, uint32_t box_rows, uint32_t box_cols);
+
 }  // namespace jax_msa::cuda

@@ -1,23 +1,26 @@
 // Hopper (sm_90a) sparse prefill, KV-block-major over the jnp plan: traits, shared-memory plan, MMA atoms, barriers.
 //
 // Work unit: one plan work item = (KV head g, request b, block blk, <= 128 / G query tokens that selected the block),
-// the same items the warp-MMA prefill (cc/sm80/prefill) serves; only bf16 KV and bf16 queries with G in {8, 16} come
-// here (prefill_supports), everything else keeps the warp-MMA kernels.
+// the same items the warp-MMA prefill (cc/sm80/prefill) serves; bf16 or FP8 KV with bf16 queries and G in {8, 16}
+// come here (prefill_supports), everything else keeps the warp-MMA kernels.
 //
 //   CTA      : persistent, one an SM (grid = min(SMs, work capacity); CTA c takes items c, c + grid, ...), three
-//              warpgroups: warpgroup 0 is the producer (one warp: the tile's queries from the plan, then TMA loads of
-//              K, V (128 keys x 256 B each, two 64-dim column halves) and of each token's G query rows into a stage),
-//              warpgroups 1 and 2 are consumers (tile rows [64 (wg - 1), +64) each: 4 tokens x 16 heads for M3)
-//   pipeline : kStages stages of [Q tile | K | V], full barriers (TMA transaction bytes) and empty barriers (one arrival
-//              per consumer warp once its last wgmma has read the stage); the producer runs up to kStages - 1 items
-//              ahead, so loads overlap the consumers' MMAs and their partial stores
+//              warpgroups. Warpgroup 0: warp 0 is the producer (reads the next item's queries from the plan while the
+//              current one loads, then TMA-loads the tile's G query rows a token and the block into a stage); for FP8
+//              warps 1-3 are converters (the block's raw e4m3 rows -> the stage's bf16 K and V tiles). Warpgroups 1
+//              and 2 are consumers (tile rows [64 (wg - 1), +64) each: 4 tokens x 16 heads for M3).
+//   pipeline : kStages stages of [Q tile | K | V]. Q|K and V have their own full / empty barriers: a stage's Q|K is
+//              refilled as soon as the consumers' S = Q K^T is done, its V once O = P V is done.
 //   MMA      : S = Q K^T by wgmma m64n64k16 (both operands in shared memory, K-major) for both 64-key halves of the
-//              block (keys nobody sees are masked); O = P V by wgmma m64n128k16 with P from registers and V MN-major (the same K-major tile viewed
-//              as dims x keys). A consumer issues the next item's S before it waits for this item's O, so the tensor
-//              cores work while it stores this item's partials (setmaxnreg: 232 registers a consumer thread)
+//              block (keys nobody sees are masked); O = P V by wgmma m64n128k16 with P from registers and V MN-major
+//              (the same K-major tile viewed as dims x keys). A consumer issues the next item's S together with this
+//              item's O, so the tensor cores work while it stores this item's partials (setmaxnreg: the consumers
+//              take the producer warpgroup's registers)
 //   softmax  : over the whole block at once (both halves' S are in registers), causal mask per row (key < visible)
 //   output   : one normalized bf16 partial (and its lse) per (query, selected block) at the plan's rank slot, as the
-//              warp-MMA kernel writes them; the warp-MMA combine (sm80/prefill/combine_partials.cu) merges them
+//              warp-MMA kernel writes them; the warp-MMA combine (sm80/prefill/combine_partials.cu) merges them.
+//              FP8: the tiles hold the raw e4m3 values (exact in bf16); k_scale is folded into the softmax scale and
+//              v_scale into the normalization.
 #pragma once
 #include <cstdint>
 
@@ -25,6 +28,9 @@
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
+#include <type_traits>
+
+#include "common/kv_format.h"
 
 namespace jax_msa::sm90::prefill {
 
@@ -39,16 +45,22 @@ constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);
 constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
 constexpr int kStages = 2;
 constexpr int kMaxTokens = 16;  // tokens of a tile: 128 / G for G in {8, 16}
+constexpr int kConverterWarps = 3;  // FP8: warps 1-3 of the producer warpgroup
 // Registers a thread after setmaxnreg: the producer warpgroup gives, the consumers take (S 64 + O 64 + P 32 fp32/bf16
-// registers live across the overlap); 128 * 40 + 256 * 232 <= 64K.
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;
-static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536);
+// registers live across the overlap); the FP8 converters need a few more. 128 * producer + 256 * consumer <= 64K.
+template <KvFormat F>
+constexpr int kProducerRegisters = F == KvFormat::kFp8 ? 56 : 40;
+template <KvFormat F>
+constexpr int kConsumerRegisters = F == KvFormat::kFp8 ? 224 : 232;
+static_assert(kWarpgroupThreads * (kProducerRegisters<KvFormat::kBf16> +
+                                   kConsumerWarpgroups * kConsumerRegisters<KvFormat::kBf16>) <= 65536);
+static_assert(kWarpgroupThreads * (kProducerRegisters<KvFormat::kFp8> +
+                                   kConsumerWarpgroups * kConsumerRegisters<KvFormat::kFp8>) <= 65536);
 
 constexpr int kRowBytes = kHeadDim * 2;                      // one bf16 row of 128 dims
 constexpr int kColumnHalfBytes = kBlockKeys * 128;           // one 64-dim column half of a 128-row tile (16 KB)
 constexpr int kTileBytes = kTileRows * kRowBytes;            // 32 KB: Q tile, K tile, V tile alike
-constexpr int kKvBytes = 2 * kBlockKeys * kRowBytes;         // K and V of one block: 64 KB of transaction bytes
+constexpr int kRawTileBytes = kBlockKeys * kHeadDim;         // FP8: one block's e4m3 K (or V) rows, 16 KB
 
 
 using Element = cute::bfloat16_t;
@@ -66,14 +78,14 @@ using MmaS = decltype(cute::make_tiled_mma(
 using MmaO = decltype(cute::make_tiled_mma(
     cute::SM90_64x128x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{}));
 
-// The tile's queries, written by the producer warp per stage, read by the consumers after the full barrier.
+// The tile's queries, written by the producer warp per stage, read by the consumers after the Q|K full barrier.
 struct TileMeta {
   int query[kMaxTokens];    // token
   int rank[kMaxTokens];     // partial slot of this block among the token's selected blocks
   int visible[kMaxTokens];  // keys of the block the token sees (causal; 0 when the page is invalid)
+  int head;                 // KV head g
   int count;                // tokens in the tile
   int visible_max;          // keys any token sees: 0 = nothing was loaded
-  int n_keys;               // keys of the block inside the request (the producer zeroes the V rows past it)
 };
 
 struct alignas(1024) SharedStorage {
@@ -83,14 +95,33 @@ struct alignas(1024) SharedStorage {
     uint8_t v[kTileBytes];  // values of the block
   } stage[kStages];
   TileMeta meta[kStages];
-  uint64_t full[kStages];   // producer -> consumers: meta written, TMA bytes landed (arrival count 1 + bytes)
-  uint64_t empty[kStages];  // consumers -> producer: the stage is free (one arrival per consumer warp)
-  uint64_t landed[kStages]; // TMA -> producer, for a block that ends inside its page: the producer zeroes V past the
-                            // request, then arrives on full
-
+  uint64_t qk_full[kStages];   // -> consumers: meta written, Q and K landed (producer arrival + TMA bytes; FP8: + one
+                               // arrival per converter warp once K is written)
+  uint64_t qk_empty[kStages];  // consumers -> producer (and converters): S done, Q and K free (one arrival a consumer warp)
+  uint64_t v_full[kStages];    // -> consumers: V landed (bf16: producer arrival + TMA bytes; FP8: the converter warps)
+  uint64_t v_empty[kStages];   // consumers -> producer (and converters): O done, V free
+  uint64_t v_landed[kStages];  // bf16, a block that ends inside its page: TMA -> producer, which zeroes the V rows past
+                               // the request (0 * NaN would poison O) before it arrives on v_full
 };
 
-constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the dynamic base to 1 KB
-static_assert(kSmemBytes <= 227 * 1024, "one CTA an SM (sm_90 / sm_100 shared memory)");
+// FP8 KV: the block's raw e4m3 K and V rows (128 rows x 128 B each, TMA without swizzle) land in raw[0] and raw[1]; the
+// converter warps write them as bf16 into a stage's K and V tiles. Each raw buffer is refilled as soon as it is
+// converted, so the next block's K bytes load while this block's V is converted.
+struct alignas(1024) Fp8Storage {
+  SharedStorage s;
+  uint8_t raw[2][kRawTileBytes];
+  uint64_t raw_full[2];   // producer arrival + TMA bytes -> converters
+  uint64_t raw_empty[2];  // converters -> producer (one arrival a converter warp)
+  int raw_load[2];        // the raw buffer holds a block (0: the item loads nothing)
+  int raw_n_keys;         // keys of raw[1]'s block inside the request (V rows past it are written as zeros)
+};
+
+template <KvFormat F>
+using Storage = std::conditional_t<F == KvFormat::kFp8, Fp8Storage, SharedStorage>;
+
+template <KvFormat F>
+constexpr int kSmemBytes = int(sizeof(Storage<F>)) + 1024;  // + slack to align the dynamic base to 1 KB
+static_assert(kSmemBytes<KvFormat::kBf16> <= 227 * 1024 && kSmemBytes<KvFormat::kFp8> <= 227 * 1024,
+              "one CTA an SM (sm_90 / sm_100 shared memory)");
 
 }  // namespace jax_msa::sm90::prefill

@@ -1,5 +1,6 @@
 // Hopper (sm_90a) sparse prefill: what it serves, the TMA descriptors of the call, the kernel, then the combine.
 #include <cstdint>
+#include <cstdlib>
 
 #include "common/kv_format.h"
 #include "cuda/tensor_map.h"
@@ -12,10 +13,21 @@ namespace {
 constexpr int kHeadDim = 128;  // (config.h's, without pulling CuTe into this host file); kPageSize: common/kv_format.h
 }  // namespace
 
+bool fp8_prefill_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAX_MSA_SM90_FP8_PREFILL");
+    return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
+  return on;
+}
+
 bool prefill_supports(const PrefillParams& p, const char** why) {
   const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
   const char* reason = nullptr;
-  if (p.kv_format != KvFormat::kBf16) reason = "the wgmma prefill takes a bf16 KV cache";
+  if (p.kv_format != KvFormat::kBf16 && p.kv_format != KvFormat::kFp8)
+    reason = "the wgmma prefill takes a bf16 or FP8 KV cache";
+  else if (p.kv_format == KvFormat::kFp8 && !fp8_prefill_enabled())
+    reason = "FP8 KV on the wgmma prefill is opt-in (JAX_MSA_SM90_FP8_PREFILL=1) until memcheck has run clean on it";
   else if (p.q_is_fp8) reason = "the wgmma prefill takes bf16 queries";
   else if (p.head_dim != kHeadDim) reason = "head_dim must be 128";
   else if (group != 8 && group != 16) reason = "the wgmma prefill packs G = 8 or 16 query heads a token";
@@ -36,14 +48,19 @@ cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
                                                       kHeadDim * 2, uint32_t(group), 64);
       e != cudaSuccess)
     return e;
+  const bool fp8 = p.kv_format == KvFormat::kFp8;
   if (p.num_pages > 0) {
-    if (cudaError_t e = cuda::encode_bf16_tensor_map_2d(&args.kv_map, p.kv_cache,
-                                                        uint64_t(p.num_pages) * p.num_kv_heads * kPageSize,
-                                                        2 * kHeadDim, 2 * kHeadDim * 2, uint32_t(kPageSize), 64);
+    const uint64_t rows = uint64_t(p.num_pages) * p.num_kv_heads * kPageSize;
+    if (cudaError_t e = fp8 ? cuda::encode_u8_tensor_map_2d(&args.kv_map, p.kv_cache, rows, 2 * kHeadDim, 2 * kHeadDim,
+                                                            uint32_t(kPageSize), kHeadDim)
+                            : cuda::encode_bf16_tensor_map_2d(&args.kv_map, p.kv_cache, rows, 2 * kHeadDim,
+                                                              2 * kHeadDim * 2, uint32_t(kPageSize), 64);
         e != cudaSuccess)
       return e;
   }
-  if (cudaError_t e = launch_sparse_prefill_bf16(args, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = fp8 ? launch_sparse_prefill_fp8(args, stream) : launch_sparse_prefill_bf16(args, stream);
+      e != cudaSuccess)
+    return e;
   return sm80::prefill::launch_combine_partials(p, stream);
 }
 

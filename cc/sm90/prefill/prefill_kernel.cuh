@@ -1,7 +1,8 @@
 // Hopper (sm_90a) sparse prefill kernel: a persistent, warp-specialized CTA (see config.h) = a TMA producer warp that
-// stages each work item's block and query tile, and two wgmma consumer warpgroups that attend the tile's 128 rows
-// over the block and write one normalized partial and its lse per (query, selected block). Reads the plan only through
-// PlanView; included by prefill_bf16.cu alone.
+// stages each work item's block and query tile (FP8: plus three warps converting the block to bf16), and two wgmma
+// consumer warpgroups that attend the tile's 128 rows over the block and write one normalized partial and its lse per
+// (query, selected block). Reads the plan only through PlanView; included by prefill_bf16.cu and prefill_fp8.cu, one
+// instantiation each.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -17,6 +18,7 @@
 #include "sm80/common/register_pack.cuh"
 #include "sm80/common/warp_mma.cuh"
 #include "sm90/prefill/config.h"
+#include "sm90/prefill/convert_fp8.cuh"
 #include "sm90/prefill/prefill.h"
 
 namespace jax_msa::sm90::prefill {
@@ -26,10 +28,14 @@ using cutlass::arch::ClusterTransactionBarrier;
 
 // The dynamic shared memory, its base rounded up to 1 KB (the 128-byte swizzle pattern repeats every 1 KB, and TMA and
 // wgmma both derive it from the address).
-__device__ __forceinline__ SharedStorage& shared_storage(uint8_t* raw) {
+template <KvFormat F>
+__device__ __forceinline__ Storage<F>& shared_storage(uint8_t* raw) {
   const uintptr_t aligned = (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023);
-  return *reinterpret_cast<SharedStorage*>(aligned);
+  return *reinterpret_cast<Storage<F>*>(aligned);
 }
+
+__device__ __forceinline__ SharedStorage& shared_part(SharedStorage& s) { return s; }
+__device__ __forceinline__ SharedStorage& shared_part(Fp8Storage& f) { return f.s; }
 
 constexpr uint64_t kEvictNormal = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
 
@@ -43,84 +49,131 @@ __device__ __forceinline__ void zero_value_rows(uint8_t* v_tile, int n_keys, int
 }
 
 // ---- producer: one warp ------------------------------------------------------------------------------------------
-// Per item: wait for the stage to be free, write the tile's queries (lane i: token i of the tile) into the stage's
-// TileMeta, arm the full barrier with the transaction bytes, then lanes < count load their token's G query rows (two
-// 64-dim boxes) and lanes 0-3 the block's K and V column halves. An item nobody sees (invalid page) loads nothing.
-__device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, SharedStorage& s, const PlanView& plan,
+
+// What the producer warp reads of a work item from the plan (lane i: token i of the tile).
+struct ProducerItem {
+  cuda::ItemView v;
+  int count, token, rank, visible, visible_max;
+};
+
+__device__ __forceinline__ ProducerItem read_item(const PrefillParams& p, const PlanView& plan, int w, int lane) {
+  ProducerItem r;
+  r.v = cuda::ItemView::make(p, plan, w);
+  r.count = min(r.v.count, kMaxTokens);
+  r.token = r.rank = r.visible = 0;
+  if (lane < r.count) {
+    const int e = r.v.item.edge_begin + lane;
+    r.token = plan.query(r.v.item.head, e);
+    r.rank = plan.rank(r.v.item.head, e);
+    const int pos = query_position(p.cu_seqlens_q, p.seq_lens, r.v.item.request, r.token);
+    r.visible = r.v.page_ok ? max(0, min(r.v.n_keys, pos - r.v.block_key0 + 1)) : 0;
+  }
+  r.visible_max = r.visible;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    r.visible_max = max(r.visible_max, __shfl_xor_sync(0xffffffffu, r.visible_max, off));
+  return r;
+}
+
+// Per item: wait for the stage's Q|K to be free, write the tile's queries into the stage's TileMeta, arm Q|K's full
+// barrier with the transaction bytes and load the tokens' G query rows (lanes < count, two 64-dim boxes each) and
+// (bf16) the block's K column halves; then wait for the stage's V and load it (bf16), or (FP8) load the block's raw K
+// and V bytes into the converters' buffers as each is handed back. The next item's plan entries (a chain of dependent
+// global loads) are read right after, while the consumers still hold the stages. An item nobody sees (invalid page)
+// loads nothing; its barriers complete on the arrivals alone.
+template <KvFormat F>
+__device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F>& storage, const PlanView& plan,
                                               int n_items) {
+  constexpr bool kFp8 = F == KvFormat::kFp8;
+  SharedStorage& s = shared_part(storage);
   const PrefillParams& p = a.p;
   const int lane = threadIdx.x & 31;
   const int group = p.num_q_heads / p.num_kv_heads;
-  uint32_t landed_uses = 0;  // bit st: parity of the next phase of landed[st]
+  uint32_t landed_uses = 0;  // bit st: parity of the next phase of v_landed[st]
+  ProducerItem next = read_item(p, plan, blockIdx.x, lane);
   int k = 0;
   for (int w = blockIdx.x; w < n_items; w += gridDim.x, ++k) {
+    const ProducerItem r = next;
+    const cuda::ItemView& v = r.v;
     const int st = k % kStages;
     const uint32_t phase = (k / kStages) & 1;
-    ClusterBarrier::wait(&s.empty[st], phase ^ 1);  // a fresh barrier counts as free (parity 1 is complete)
-
-    const cuda::ItemView v = cuda::ItemView::make(p, plan, w);
-    const int count = min(v.count, kMaxTokens);
-    TileMeta& m = s.meta[st];
-    int token = 0, visible = 0;
-    if (lane < count) {
-      const int e = v.item.edge_begin + lane;
-      token = plan.query(v.item.head, e);
-      const int pos = query_position(p.cu_seqlens_q, p.seq_lens, v.item.request, token);
-      visible = v.page_ok ? max(0, min(v.n_keys, pos - v.block_key0 + 1)) : 0;
-      m.query[lane] = token;
-      m.rank[lane] = plan.rank(v.item.head, e);
-      m.visible[lane] = visible;
-    }
-    int visible_max = visible;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) visible_max = max(visible_max, __shfl_xor_sync(0xffffffffu, visible_max, off));
-    if (lane == 0) {
-      m.count = count;
-      m.visible_max = visible_max;
-      m.n_keys = v.n_keys;
-    }
-    __syncwarp();
-    const bool load = visible_max > 0;
-    // A block that ends inside the page (the request's last) lands on `landed` first: its V rows past the request are
-    // zeroed here (0 * NaN would poison O), then the consumers' full barrier is released.
-    const bool tail = load && v.n_keys < kBlockKeys;
-    uint64_t* landing = tail ? &s.landed[st] : &s.full[st];
-    if (lane == 0)  // release: the meta above is visible to whoever acquires the full barrier's phase
-      ClusterTransactionBarrier::arrive_and_expect_tx(landing, load ? kKvBytes + count * group * kRowBytes : 0);
-    __syncwarp();
-    if (!load) continue;
+    const bool load = r.visible_max > 0;
+    const int kv_row = int((v.page * p.num_kv_heads + v.item.head) * kBlockKeys);
     SharedStorage::Stage& sg = s.stage[st];
-    if (lane < count) {
-      const int row = token * p.num_q_heads + v.item.head * group;
+
+    ClusterBarrier::wait(&s.qk_empty[st], phase ^ 1);  // a fresh barrier counts as free (parity 1 is complete)
+    TileMeta& m = s.meta[st];
+    if (lane < r.count) {
+      m.query[lane] = r.token;
+      m.rank[lane] = r.rank;
+      m.visible[lane] = r.visible;
+    }
+    if (lane == 0) {
+      m.head = v.item.head;
+      m.count = r.count;
+      m.visible_max = r.visible_max;
+    }
+    __syncwarp();
+    const int q_bytes = r.count * group * kRowBytes;
+    if (lane == 0)  // release: the meta above is visible to whoever acquires the barrier's phase
+      ClusterTransactionBarrier::arrive_and_expect_tx(&s.qk_full[st], load ? q_bytes + (kFp8 ? 0 : kTileBytes) : 0);
+    __syncwarp();
+    if (load && lane < r.count) {
+      const int row = r.token * p.num_q_heads + v.item.head * group;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        cute::SM90_TMA_LOAD_2D::copy(&a.q_map, landing, kEvictNormal, sg.q + h * kColumnHalfBytes + lane * group * 128,
-                                     h * 64, row);
+        cute::SM90_TMA_LOAD_2D::copy(&a.q_map, &s.qk_full[st], kEvictNormal,
+                                     sg.q + h * kColumnHalfBytes + lane * group * 128, h * 64, row);
     }
-    if (lane < 4) {  // lane j: K column half j (j < 2), V column half j - 2
-      const int kv_row = int((v.page * p.num_kv_heads + v.item.head) * kBlockKeys);
-      uint8_t* dst = (lane < 2 ? sg.k : sg.v) + (lane & 1) * kColumnHalfBytes;
-      cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, landing, kEvictNormal, dst, lane * 64, kv_row);
-    }
-    if (tail) {
-      ClusterBarrier::wait(&s.landed[st], (landed_uses >> st) & 1);
-      landed_uses ^= 1u << st;
-      zero_value_rows(sg.v, v.n_keys, lane);
-      cutlass::arch::fence_view_async_shared();  // generic-proxy writes before the consumers' wgmma reads them
+    if constexpr (kFp8) {
+      // lane 0: the K bytes of the block's rows into raw[0], then lane 1: the V bytes into raw[1]
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        ClusterBarrier::wait(&storage.raw_empty[kv], (k & 1) ^ 1);
+        if (lane == 0) {
+          storage.raw_load[kv] = load;
+          if (kv == 1) storage.raw_n_keys = v.n_keys;
+          ClusterTransactionBarrier::arrive_and_expect_tx(&storage.raw_full[kv], load ? kRawTileBytes : 0);
+          if (load)
+            cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, &storage.raw_full[kv], kEvictNormal, storage.raw[kv],
+                                         kv * kHeadDim, kv_row);
+        }
+        __syncwarp();
+      }
+    } else {
+      if (load && lane < 2)  // lane j: K column half j
+        cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, &s.qk_full[st], kEvictNormal, sg.k + lane * kColumnHalfBytes,
+                                     lane * 64, kv_row);
+      ClusterBarrier::wait(&s.v_empty[st], phase ^ 1);
+      // A block that ends inside the page (the request's last) lands on v_landed first: its V rows past the request
+      // are zeroed here, then the consumers' v_full is released.
+      const bool tail = load && v.n_keys < kBlockKeys;
+      uint64_t* landing = tail ? &s.v_landed[st] : &s.v_full[st];
+      if (lane == 0) ClusterTransactionBarrier::arrive_and_expect_tx(landing, load ? kTileBytes : 0);
       __syncwarp();
-      if (lane == 0) ClusterBarrier::arrive(&s.full[st]);
+      if (load && lane < 2)  // lane j: V column half j
+        cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, landing, kEvictNormal, sg.v + lane * kColumnHalfBytes,
+                                     kHeadDim + lane * 64, kv_row);
+      if (tail) {
+        ClusterBarrier::wait(&s.v_landed[st], (landed_uses >> st) & 1);
+        landed_uses ^= 1u << st;
+        zero_value_rows(sg.v, v.n_keys, lane);
+        cutlass::arch::fence_view_async_shared();  // generic-proxy writes before the consumers' wgmma reads them
+        __syncwarp();
+        if (lane == 0) ClusterBarrier::arrive(&s.v_full[st]);
+      }
     }
+    if (w + int(gridDim.x) < n_items) next = read_item(p, plan, w + int(gridDim.x), lane);
   }
 }
 
 // ---- consumers: two warpgroups, 64 tile rows each -------------------------------------------------------------------
 
-// What a consumer thread keeps of one work item: its two rows' queries and visibility, and the block's halves.
+// What a consumer thread keeps of one work item: its two rows' queries and visibility, and how many halves are seen.
 struct ItemRows {
   int head;       // KV head g
   int count;      // tokens in the tile
   int halves;     // 64-key halves any token sees: 0, 1 or 2
-  int n_keys;     // keys of the block inside the request (V rows past it are zeroed before use)
   int vis[2], query[2], rank[2];
 };
 
@@ -128,17 +181,15 @@ struct ItemRows {
 // same order.
 using PLayout = cute::Layout<cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::_4>>;
 
-// Waits for item w's stage (k-th of this CTA) and reads the tile's queries.
-__device__ __forceinline__ ItemRows wait_item(SharedStorage& s, const PlanView& plan, int w, int k,
-                                              const int (&tok)[2]) {
+// Waits for the Q|K of this CTA's k-th item and reads the tile's queries.
+__device__ __forceinline__ ItemRows wait_item(SharedStorage& s, int k, const int (&tok)[2]) {
   const int st = k % kStages;
   ItemRows it;
-  it.head = plan.item(w).head;
-  ClusterBarrier::wait(&s.full[st], (k / kStages) & 1);
+  ClusterBarrier::wait(&s.qk_full[st], (k / kStages) & 1);
   const TileMeta& m = s.meta[st];
+  it.head = m.head;
   it.count = m.count;
   it.halves = m.visible_max > kHalfKeys ? 2 : (m.visible_max > 0 ? 1 : 0);
-  it.n_keys = m.n_keys;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const bool ok = tok[r] < it.count;
@@ -150,7 +201,7 @@ __device__ __forceinline__ ItemRows wait_item(SharedStorage& s, const PlanView& 
 }
 
 // S = Q K^T of both halves of a stage as one wgmma group (keys nobody sees are masked later). No wgmma sits under a
-// data-dependent branch and no barrier wait runs while one is in flight: either makes ptxas wait for the group.
+// data-dependent branch: ptxas would serialize them.
 template <class ThrS, class TS>
 __device__ __forceinline__ void issue_scores(const SharedStorage::Stage& sg, int wg, MmaS& mma_s, ThrS& thr_s,
                                              TS& tSrS0, TS& tSrS1) {
@@ -208,17 +259,11 @@ __device__ __forceinline__ void probabilities(const ItemRows& it, int c2, float 
   }
   const float base[2] = {m[0] == -INFINITY ? 0.0f : m[0], m[1] == -INFINITY ? 0.0f : m[1]};
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pr = exp2f(sc[h][j][e] - base[e >> 1]);
-        l[e >> 1] += pr;
-        if (h == 0) tOrP0(4 * j + e) = Element(pr);
-        else tOrP1(4 * j + e) = Element(pr);
-      }
-    }
+  for (int i = 0; i < 64; ++i) {  // i = 32 h + 4 j + e
+    const int h = i >> 5, e = i & 3;
+    const float pr = exp2f(sc[h][(i >> 2) & 7][e] - base[e >> 1]);
+    l[e >> 1] += pr;
+    (h == 0 ? tOrP0 : tOrP1)(i & 31) = Element(pr);
   }
 }
 
@@ -228,6 +273,8 @@ __device__ __forceinline__ void issue_values(const uint8_t* v_tile, MmaO& mma_o,
                                              TO& tOrO) {
   using namespace cute;
   Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<const Element*>(v_tile)), VtLayout{});
+  warpgroup_fence_operand(tOrP0);  // P's registers are written before the wgmma reads them
+  warpgroup_fence_operand(tOrP1);
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();
   mma_o.accumulate_ = GMMA::ScaleOut::Zero;
@@ -244,12 +291,12 @@ __device__ __forceinline__ void issue_values(const uint8_t* v_tile, MmaO& mma_o,
   warpgroup_commit_batch();
 }
 
-// Normalized bf16 partials and lse of this thread's two rows at the plan's slots (the G rows of one token are G
-// consecutive slots). A row that saw nothing: O = 0, lse = -inf.
+// Normalized bf16 partials (times v_scale) and lse of this thread's two rows at the plan's slots (the G rows of one
+// token are G consecutive slots). A row that saw nothing: O = 0, lse = -inf.
 template <class TO>
 __device__ __forceinline__ void store_partials(const PrefillParams& p, const PlanView& plan, const ItemRows& it,
                                                const int (&tok)[2], const int (&head_in_group)[2], int group, int lane,
-                                               TO& tOrO, const float (&m)[2], float (&l)[2]) {
+                                               float v_scale, TO& tOrO, const float (&m)[2], float (&l)[2]) {
   const int c2 = (lane & 3) * 2;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -261,7 +308,7 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Pla
     if (tok[r] >= it.count) continue;
     const int64_t slot = plan.partial_index(it.query[r], it.head, it.rank[r], p.num_kv_heads) * group + head_in_group[r];
     const bool empty = !(l[r] > 0.0f);
-    const float inv = empty ? 0.0f : 1.0f / l[r];
+    const float inv = empty ? 0.0f : v_scale / l[r];
     uint16_t* dst = static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim + c2;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -272,8 +319,10 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Pla
   }
 }
 
-// Per item: S (issued one item ahead), softmax, O = P V; then the next item's S is issued before this item's O is
-// waited for, so the tensor cores compute it while this item's partials are stored.
+// Per item: S (issued one item ahead), softmax, O = P V; the next item's S is issued with this item's O, so the tensor
+// cores compute it while this item's partials are stored. A stage's Q|K is released once its S is done, its V once its
+// O is done. FP8: k_scale goes into the softmax scale, v_scale into the normalization.
+template <KvFormat F>
 __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedStorage& s, const PlanView& plan,
                                               int n_items, int wg) {
   using namespace cute;
@@ -282,7 +331,9 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   const int tid = consumer_tid - wg * kWarpgroupThreads;     // 0..127 within this warpgroup
   const int warp = tid >> 5, lane = tid & 31;
   const int group = p.num_q_heads / p.num_kv_heads;
-  const float scale_log2 = p.softmax_scale * sm80::kLog2e;
+  constexpr bool kScaled = F != KvFormat::kBf16;
+  const float scale_log2 = p.softmax_scale * (kScaled ? p.scales[kKScale] : 1.0f) * sm80::kLog2e;
+  const float v_scale = kScaled ? p.scales[kVScale] : 1.0f;
   // The two rows of the tile this thread holds in every accumulator: R = 64 wg + 16 warp + lane / 4 (+ 8).
   const int row0 = wg * kConsumerRows + warp * 16 + (lane >> 2);
   const int tok[2] = {row0 / group, (row0 + 8) / group};
@@ -300,27 +351,30 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   Tensor tOrP1 = make_tensor<Element>(PLayout{});
 
   int w = blockIdx.x, k = 0;
-  ItemRows cur = wait_item(s, plan, w, k, tok);
+  ItemRows cur = wait_item(s, k, tok);
   issue_scores(s.stage[0], wg, mma_s, thr_s, tSrS0, tSrS1);
   while (true) {
     const int st = k % kStages;
     warpgroup_wait<0>();  // S of the current item; nothing in flight
     warpgroup_fence_operand(tSrS0);
     warpgroup_fence_operand(tSrS1);
+    __syncwarp();
+    if (lane == 0) ClusterBarrier::arrive(&s.qk_empty[st]);  // this warp no longer reads the stage's Q and K
     float m[2], l[2];
     probabilities(cur, c2, scale_log2, tSrS0, tSrS1, tOrP0, tOrP1, m, l);
     const int w_next = w + int(gridDim.x);
     const bool more = w_next < n_items;
     ItemRows next = cur;
-    if (more) next = wait_item(s, plan, w_next, k + 1, tok);  // (the producer is normally ahead: no wait)
+    if (more) next = wait_item(s, k + 1, tok);  // (the producer is normally ahead: no wait)
+    ClusterBarrier::wait(&s.v_full[st], (k / kStages) & 1);
     issue_values(s.stage[st].v, mma_o, thr_o, tOrP0, tOrP1, tOrO);
-    // the next item's S (after the last item: a harmless product of the other, idle stage, never read)
+    // the next item's S (after the last item: a harmless product of the other stage, never read)
     issue_scores(s.stage[(k + 1) % kStages], wg, mma_s, thr_s, tSrS0, tSrS1);
     warpgroup_wait<1>();  // O of the current item; the next S may still run
     warpgroup_fence_operand(tOrO);
     __syncwarp();
-    if (lane == 0) ClusterBarrier::arrive(&s.empty[st]);  // this warp no longer reads the stage
-    store_partials(p, plan, cur, tok, head_in_group, group, lane, tOrO, m, l);
+    if (lane == 0) ClusterBarrier::arrive(&s.v_empty[st]);  // this warp no longer reads the stage's V
+    store_partials(p, plan, cur, tok, head_in_group, group, lane, v_scale, tOrO, m, l);
     if (!more) break;
     cur = next;
     w = w_next;
@@ -329,19 +383,31 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   warpgroup_wait<0>();
 }
 
+template <KvFormat F>
 __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const __grid_constant__ TmaPrefillArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kFp8 = F == KvFormat::kFp8;
   extern __shared__ uint8_t smem_raw[];
-  SharedStorage& s = shared_storage(smem_raw);
+  Storage<F>& storage = shared_storage<F>(smem_raw);
+  SharedStorage& s = shared_part(storage);
   const PlanView plan = PlanView::from(a.p);
   const int n_items = plan.work_count();
   if (int(blockIdx.x) >= n_items) return;  // uniform over the CTA
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) {
-      ClusterBarrier::init(&s.full[st], 1);
-      ClusterBarrier::init(&s.empty[st], kConsumerWarps);
-      ClusterBarrier::init(&s.landed[st], 1);
+      ClusterBarrier::init(&s.qk_full[st], kFp8 ? 1 + kConverterWarps : 1);
+      ClusterBarrier::init(&s.qk_empty[st], kConsumerWarps);
+      ClusterBarrier::init(&s.v_full[st], kFp8 ? kConverterWarps : 1);
+      ClusterBarrier::init(&s.v_empty[st], kConsumerWarps);
+      ClusterBarrier::init(&s.v_landed[st], 1);
+    }
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        ClusterBarrier::init(&storage.raw_full[kv], 1);
+        ClusterBarrier::init(&storage.raw_empty[kv], kConverterWarps);
+      }
     }
     cutlass::arch::fence_barrier_init();
     cute::prefetch_tma_descriptor(&a.q_map);
@@ -350,11 +416,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
   __syncthreads();
   const int wg = threadIdx.x / kWarpgroupThreads;
   if (wg == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (threadIdx.x < 32) produce_items(a, s, plan, n_items);
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters<F>>();
+    const int warp = threadIdx.x / 32;
+    if (warp == 0) {
+      produce_items<F>(a, storage, plan, n_items);
+    } else if constexpr (kFp8) {
+      convert_items(s, storage, n_items, warp - 1);
+    }
   } else {
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-    consume_items(a, s, plan, n_items, wg - 1);
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters<F>>();
+    consume_items<F>(a, s, plan, n_items, wg - 1);
   }
 #else
   __trap();  // no sm_90a code in this architecture's image: fail loudly rather than leave the partials unwritten
