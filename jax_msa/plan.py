@@ -18,11 +18,15 @@ edge_query          int32 [Hkv, E]    query token of each edge (CSR order); -1 p
 edge_rank           int32 [Hkv, E]    the edge's slot among its query's partials (0..count-1)
 query_edge_count    int32 [Hkv, T]    partials (selected valid blocks) per (head, query)
 work                int32 [W, 4]      (head, row, edge_begin, edge_count) tiles of at most
-                                      ``queries_per_tile`` queries, largest first; zero past num_work
+                                      ``queries_per_tile`` queries, in ``work_order``; zero past num_work
 num_work            int32 [1]         valid work items
 =================== ================= ==============================================================
 
-W = Hkv * R + ceil(Hkv * E / queries_per_tile), which bounds the tile count of any input. Everything is
+W = Hkv * R + ceil(Hkv * E / queries_per_tile), which bounds the tile count of any input.
+
+Work orders (the kernels' results do not depend on it: one partial per (query, block), merged in rank order):
+``"size"`` (default) largest tile first, ties in (head, row, tile) order; ``"token"`` by (head, the 128-token block
+of the tile's first query, row, tile), so that the tiles that re-read the same query rows run close together. Everything is
 static in the shapes: a new batch of the same shapes reuses the compiled plan (no retrace, no host sync).
 """
 
@@ -91,10 +95,15 @@ def default_queries_per_tile(num_q_heads: int, num_kv_heads: int) -> int:
     return max(1, 128 // max(1, num_q_heads // num_kv_heads))
 
 
-def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries_per_tile: int = 8
-                       ) -> PrefillPlan:
+WORK_ORDERS = ("size", "token")
+
+
+def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries_per_tile: int = 8,
+                       work_order: str = "size") -> PrefillPlan:
     """Builds the plan from topk [Hkv, T, K] int32, cu_seqlens_q [B+1], seq_lens [B] (jit-able)."""
     hkv, t_total, k = topk.shape
+    if work_order not in WORK_ORDERS:
+        raise ValueError(f"work_order must be one of {WORK_ORDERS}; got {work_order!r}")
     batch = seq_lens.shape[0]
     if cu_seqlens_q.shape != (batch + 1,):
         raise ValueError(f"cu_seqlens_q must be [B+1] = [{batch + 1}]; got {cu_seqlens_q.shape}")
@@ -159,8 +168,17 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     count = jnp.where(w < num_work, count, 0)
     work = jnp.stack([g, r, begin, count], axis=-1)
     work = jnp.where((count > 0)[:, None], work, 0)
-    by_size, _ = _stable_sort_by_key(qpt - count, qpt + 1)  # largest first, ties by (head, row, tile)
-    work = work[by_size]
+    if work_order == "size":
+        order, _ = _stable_sort_by_key(qpt - count, qpt + 1)  # largest first, ties by (head, row, tile)
+    else:  # (head, token block of the first query, row), ties by tile; empty tiles last
+        token_blocks = t_total // PAGE_SIZE + 1
+        first_block = edge_query[g, jnp.clip(begin, 0, edges - 1)] // PAGE_SIZE
+        major = jnp.where(count > 0, g * token_blocks + first_block, hkv * token_blocks)
+        if (hkv * token_blocks + 1) * rows < 2**31:
+            order, _ = _stable_sort_by_key(major * rows + r, (hkv * token_blocks + 1) * rows)
+        else:
+            order = jnp.lexsort((r, major)).astype(jnp.int32)
+    work = work[order]
 
     return PrefillPlan(row_ptr=row_ptr, edge_query=edge_query, edge_rank=edge_rank,
                        query_edge_count=query_edge_count, work=work,

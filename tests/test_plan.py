@@ -3,7 +3,8 @@
 ``numpy_prefill_plan`` below is an independent oracle written from plan.py's docstring with explicit
 loops and dicts: per (KV head, token) the set of valid block ids, ranks as positions in the sorted set,
 CSR rows ``b * max_blocks + id`` listing tokens ascending, and tiles of at most ``queries_per_tile``
-consecutive edges per (head, row), largest first with ties in (head, row, tile) order.
+consecutive edges per (head, row), largest first with ties in (head, row, tile) order (work_order "size"), or
+by (head, 128-token block of the tile's first query, row, tile) (work_order "token").
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jax_msa.plan import PrefillPlan, build_prefill_plan, default_queries_per_ti
 PAGE = 128
 FIELDS = ("row_ptr", "edge_query", "edge_rank", "query_edge_count", "work", "num_work")
 
-jit_build = jax.jit(build_prefill_plan, static_argnames=("max_blocks", "queries_per_tile"))
+jit_build = jax.jit(build_prefill_plan, static_argnames=("max_blocks", "queries_per_tile", "work_order"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -46,7 +47,7 @@ def valid_block_ids(ids, seq_len, pos, max_blocks):
     return sorted({int(i) for i in ids if 0 <= i < n_blocks and PAGE * int(i) <= pos})
 
 
-def numpy_prefill_plan(topk, cu_seqlens, seq_lens, max_blocks, queries_per_tile):
+def numpy_prefill_plan(topk, cu_seqlens, seq_lens, max_blocks, queries_per_tile, work_order="size"):
     topk = np.asarray(topk)
     hkv, total_q, k = topk.shape
     batch = len(seq_lens)
@@ -81,7 +82,11 @@ def numpy_prefill_plan(topk, cu_seqlens, seq_lens, max_blocks, queries_per_tile)
                 tiles.append((g, r, row_ptr[g, r] + start, min(queries_per_tile, len(entries) - start)))
         row_ptr[g, rows] = e
 
-    tiles.sort(key=lambda tile: -tile[3])  # Python's sort is stable: ties keep (head, row, tile) order
+    # Python's sort is stable: ties keep (head, row, tile) order
+    if work_order == "size":
+        tiles.sort(key=lambda tile: -tile[3])
+    else:
+        tiles.sort(key=lambda tile: (tile[0], edge_query[tile[0], tile[2]] // PAGE, tile[1]))
     capacity = hkv * rows + math.ceil(hkv * edges / queries_per_tile)
     work = np.zeros((capacity, 4), np.int32)
     for w, tile in enumerate(tiles):
@@ -246,7 +251,7 @@ def test_oracle_hand_example():
 # Invariants of the builder's output alone
 # ---------------------------------------------------------------------------------------------------------
 
-def check_invariants(p, hkv, k, batch, max_blocks, total_q, qpt):
+def check_invariants(p, hkv, k, batch, max_blocks, total_q, qpt, work_order="size"):
     rows = batch * max_blocks
     nnz = p["row_ptr"][:, rows]
     assert p["work"].shape == (hkv * rows + math.ceil(hkv * total_q * k / qpt), 4)
@@ -258,7 +263,9 @@ def check_invariants(p, hkv, k, batch, max_blocks, total_q, qpt):
     assert n_work == int(((row_count + qpt - 1) // qpt).sum())
     assert np.all(p["work"][n_work:] == 0)
     counts = p["work"][:n_work, 3]
-    assert np.all(counts >= 1) and np.all(counts <= qpt) and np.all(np.diff(counts) <= 0)
+    assert np.all(counts >= 1) and np.all(counts <= qpt)
+    if work_order == "size":
+        assert np.all(np.diff(counts) <= 0)
     cover = np.zeros((hkv, total_q * k), np.int64)
     for g, r, begin, count in p["work"][:n_work]:
         assert 0 <= g < hkv and 0 <= r < rows
@@ -286,6 +293,26 @@ def test_plan_invariants(shape):
     hkv, k, batch, max_blocks, total_q, qpt = shape
     for _, _, plan in draws(shape):
         check_invariants(plan_numpy(plan), *shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:4], ids=shape_id)
+def test_token_work_order_matches_oracle(shape):
+    """work_order="token": the same CSR arrays, the same tiles, ordered by (head, token block, row, tile)."""
+    hkv, k, batch, max_blocks, total_q, qpt = shape
+    for d in range(2):
+        topk, cu, seq_lens = random_case(100 * SHAPES.index(shape) + d, hkv, k, batch, max_blocks, total_q)
+        plan = plan_numpy(jit_build(jnp.asarray(topk), jnp.asarray(cu), jnp.asarray(seq_lens), max_blocks=max_blocks,
+                                    queries_per_tile=qpt, work_order="token"))
+        want = numpy_prefill_plan(topk, cu, seq_lens, max_blocks, qpt, work_order="token")
+        for f in FIELDS:
+            np.testing.assert_array_equal(plan[f], want[f], err_msg=f)
+        check_invariants(plan, *shape, work_order="token")
+
+
+def test_work_order_is_checked():
+    with pytest.raises(ValueError, match="work_order"):
+        build_prefill_plan(jnp.zeros((1, 1, 1), jnp.int32), jnp.array([0, 1], jnp.int32), jnp.array([1], jnp.int32),
+                           max_blocks=1, work_order="random")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -384,9 +411,10 @@ def test_cpu_prefill_handler_consumes_any_tile_size():
     run = jax.jit(lambda q, cache, topk, plan, **a: jax_msa.sparse_attention(
         q, cache, topk, return_lse=True, plan=plan, impl="kernel", **a))
     results = {}
-    for qpt in (3, 1, default_queries_per_tile(hq, hkv)):
+    for qpt, order in ((3, "size"), (1, "size"), (default_queries_per_tile(hq, hkv), "size"),
+                       (default_queries_per_tile(hq, hkv), "token")):
         plan = jit_build(jnp.asarray(topk), args["cu_seqlens_q"], args["seq_lens"], max_blocks=max_blocks,
-                         queries_per_tile=qpt)
+                         queries_per_tile=qpt, work_order=order)
         out, lse = run(q, cache, jnp.asarray(topk), plan, **args)
         out = np.asarray(out, np.float32)
         lse = np.asarray(lse)
@@ -398,9 +426,10 @@ def test_cpu_prefill_handler_consumes_any_tile_size():
         finite = np.isfinite(ref_lse)
         np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-3, rtol=0)
         np.testing.assert_array_equal(out[~finite], 0.0)
-        results[qpt] = (out, lse)
-    # Partials live at (query, head, rank) and merge in rank order: the tile size cannot change a bit.
-    base_out, base_lse = results[3]
-    for qpt, (out, lse) in results.items():
-        np.testing.assert_array_equal(out, base_out, err_msg=f"Q={qpt}")
-        np.testing.assert_array_equal(lse, base_lse, err_msg=f"Q={qpt}")
+        results[qpt, order] = (out, lse)
+    # Partials live at (query, head, rank) and merge in rank order: neither the tile size nor the work order can
+    # change a bit.
+    base_out, base_lse = results[3, "size"]
+    for (qpt, order), (out, lse) in results.items():
+        np.testing.assert_array_equal(out, base_out, err_msg=f"Q={qpt}, {order}")
+        np.testing.assert_array_equal(lse, base_lse, err_msg=f"Q={qpt}, {order}")

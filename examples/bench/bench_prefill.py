@@ -9,6 +9,7 @@ Useful TFLOP/s = 4 * D * Hq * sum_t |S(t)| / time (masked keys not counted), aga
     python examples/bench/bench_prefill.py --quick          # 32k, 64/4 and 16/1
     python examples/bench/bench_prefill.py                  # 8k, 32k, 128k
     python examples/bench/bench_prefill.py --tokens 2048 --heads 16/1 --no-dense   # a small run (CPU too)
+    python examples/bench/bench_prefill.py --quick --no-dense --work-order size --work-order token   # plan orders
 """
 
 import argparse
@@ -74,7 +75,7 @@ def make_cache(fmt, blocks, hkv):
     return jax.jit(jax_msa.write_kv)(cache, k, v, jnp.arange(blocks * 128, dtype=jnp.int32))
 
 
-def bench(n, hq, hkv, repeats, dense, fmt="BF16"):
+def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="size"):
     rng = np.random.default_rng(0)
     blocks = -(-n // 128)
     topk_np = make_topk(rng, n, hkv)
@@ -85,14 +86,16 @@ def bench(n, hq, hkv, repeats, dense, fmt="BF16"):
     seq = jnp.asarray([n], jnp.int32)
     bt = jnp.arange(blocks, dtype=jnp.int32)[None]
     qpt = default_queries_per_tile(hq, hkv)
-    plan_fn = jax.jit(lambda t, c, s: jax_msa.build_prefill_plan(t, c, s, max_blocks=blocks, queries_per_tile=qpt))
+    plan_fn = jax.jit(lambda t, c, s: jax_msa.build_prefill_plan(t, c, s, max_blocks=blocks, queries_per_tile=qpt,
+                                                                 work_order=work_order))
     attn = jax.jit(lambda q, c, t, cu, s, b, p: jax_msa.sparse_attention(
         q, c, t, cu_seqlens_q=cu, seq_lens=s, block_table=b, plan=p, impl="kernel"))
     plan = plan_fn(topk, cu, seq)
     p_med, p_lo, p_hi = median_p10_p90(plan_fn, (topk, cu, seq), repeats)
     k_med, k_lo, k_hi = median_p10_p90(attn, (q, cache, topk, cu, seq, bt, plan), repeats)
     flops = useful_flops(topk_np, n, hq)
-    row = (f"| {n // 1024}k | {hq}/{hkv} | {fmt} | {p_med * 1e3:.2f} ({p_lo * 1e3:.2f}-{p_hi * 1e3:.2f}) | "
+    label = fmt if work_order == "size" else f"{fmt}, {work_order} order"
+    row = (f"| {n // 1024}k | {hq}/{hkv} | {label} | {p_med * 1e3:.2f} ({p_lo * 1e3:.2f}-{p_hi * 1e3:.2f}) | "
            f"{k_med * 1e3:.2f} ({k_lo * 1e3:.2f}-{k_hi * 1e3:.2f}) | {flops / k_med / 1e12:.1f} | "
            f"{100 * flops / k_med / PEAK:.1f}% | {100 * p_med / k_med:.1f}% |")
     if dense:
@@ -117,8 +120,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--pipelined", action="store_true",
-                    help="the opt-in persistent pipelined bf16 kernel (JAX_MSA_PREFILL_PIPELINED=1, unverified)")
+                    help="the opt-in persistent pipelined bf16 warp-MMA kernel (JAX_MSA_PREFILL_PIPELINED=1)")
     ap.add_argument("--fmt", action="append", choices=["BF16", "FP8", "NVFP4"], help="KV format(s), default BF16")
+    ap.add_argument("--work-order", action="append", choices=["size", "token"],
+                    help="the plan's work order(s) (build_prefill_plan(work_order=...)), default size")
     a = ap.parse_args()
     if a.pipelined:  # read by the CUDA handler at its first call
         os.environ["JAX_MSA_PREFILL_PIPELINED"] = "1"
@@ -131,7 +136,8 @@ def main():
     for n in tokens:
         for hq, hkv in heads:
             for fmt in a.fmt or ["BF16"]:
-                print(bench(n, hq, hkv, a.repeats, not a.no_dense and fmt == "BF16", fmt), flush=True)
+                for order in a.work_order or ["size"]:
+                    print(bench(n, hq, hkv, a.repeats, not a.no_dense and fmt == "BF16", fmt, order), flush=True)
 
 
 if __name__ == "__main__":
