@@ -236,8 +236,10 @@ STAGES=("$@")
 (( ${#STAGES[@]} )) || STAGES=(build info test bench)
 for s in "${STAGES[@]}"; do
   case "${s}" in
-    build|info|test|test_off|test_pipelined|test_warp_mma|test_sm90_fp8|sanitize|sanitize_sm90_fp8|bench|profile|compare) ;;
-    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined test_warp_mma test_sm90_fp8 sanitize sanitize_sm90_fp8 bench profile compare)" >&2
+    build|info|test|test_off|test_pipelined|test_warp_mma|test_sm90_fp8|sanitize|sanitize_sm90_fp8|bench|profile|\
+      compare) ;;
+    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined test_warp_mma test_sm90_fp8" \
+            "sanitize sanitize_sm90_fp8 bench profile compare)" >&2
        exit 2 ;;
   esac
 done

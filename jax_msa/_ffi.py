@@ -116,9 +116,9 @@ def kernel_path(major: int, minor: int, *, sm100_enabled: bool = False, sm90_ena
     """The attention kernels the CUDA handlers select on a device of compute capability major.minor (the table of
     cc/cuda/kernel_path.h): "warp_mma" (cc/sm80, sm_80 and up), "sm90" (9.0 with a build for sm_90a, unless
     JAX_MSA_DISABLE_SM90_KERNELS=1: the wgmma prefill of cc/sm90 where it serves the call, the warp-MMA kernels for
-    the rest; both pass the GPU prefill tests on the H200), "sm100" (the tcgen05 kernels of cc/sm100, unverified: on 10.x with
-    JAX_MSA_ENABLE_SM100_KERNELS=1 and a build for sm_100a / sm_103a) or "unsupported" (< 8.0: the handler raises,
-    impl="reference" still works). Needs the CUDA module (a GPU does not)."""
+    the rest; both pass the GPU prefill tests on the H200), "sm100" (the tcgen05 kernels of cc/sm100, unverified: on
+    10.x with JAX_MSA_ENABLE_SM100_KERNELS=1 and a build for sm_100a / sm_103a) or "unsupported" (< 8.0: the handler
+    raises, impl="reference" still works). Needs the CUDA module (a GPU does not)."""
     if _cuda_module is None:
         raise RuntimeError("jax_msa was built without the CUDA handlers")
     return _cuda_module.select_kernel_path(int(major), int(minor), bool(sm100_enabled), bool(sm90_enabled))

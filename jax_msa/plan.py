@@ -26,8 +26,10 @@ W = Hkv * R + ceil(Hkv * E / queries_per_tile), which bounds the tile count of a
 
 Work orders (the kernels' results do not depend on it: one partial per (query, block), merged in rank order):
 ``"size"`` (default) largest tile first, ties in (head, row, tile) order; ``"token"`` by (head, the 128-token block
-of the tile's first query, row, tile), so that the tiles that re-read the same query rows run close together. Everything is
-static in the shapes: a new batch of the same shapes reuses the compiled plan (no retrace, no host sync).
+of the tile's first query, row, tile), so that the tiles that re-read the same query rows run close together.
+
+Everything is static in the shapes: a new batch of the same shapes reuses the compiled plan (no retrace, no host
+sync).
 """
 
 from __future__ import annotations

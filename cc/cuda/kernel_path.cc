@@ -1,6 +1,8 @@
 // Runtime side of the kernel dispatch table (see kernel_path.h): the device's compute capability, cached.
 #include "cuda/kernel_path.h"
 
+#include "cuda/env_flag.h"
+
 #include <array>
 #include <atomic>
 #include <cstdio>
@@ -19,18 +21,12 @@ const char* kernel_path_name(KernelPath path) {
 }
 
 bool sm100_kernels_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_MSA_ENABLE_SM100_KERNELS");
-    return v != nullptr && v[0] == '1' && v[1] == '\0';
-  }();
+  static const bool on = env_flag("JAX_MSA_ENABLE_SM100_KERNELS");
   return on;
 }
 
 bool sm90_kernels_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_MSA_DISABLE_SM90_KERNELS");
-    return !(v != nullptr && v[0] == '1' && v[1] == '\0');
-  }();
+  static const bool on = !env_flag("JAX_MSA_DISABLE_SM90_KERNELS");
   return on;
 }
 

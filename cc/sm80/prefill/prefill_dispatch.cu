@@ -1,6 +1,5 @@
 // Warp-MMA (sm_80+) sparse prefill: shape checks, per-format dispatch, then the combine.
-#include <cstdlib>
-
+#include "cuda/env_flag.h"
 #include "sm80/prefill/config.h"
 #include "sm80/prefill/prefill.h"
 
@@ -17,10 +16,7 @@ bool prefill_supports(const PrefillParams& p, const char** why) {
 }
 
 bool prefill_pipelined_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_MSA_PREFILL_PIPELINED");
-    return v != nullptr && v[0] == '1' && v[1] == '\0';
-  }();
+  static const bool on = cuda::env_flag("JAX_MSA_PREFILL_PIPELINED");
   return on;
 }
 

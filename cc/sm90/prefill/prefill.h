@@ -19,7 +19,8 @@ struct TmaPrefillArgs {
 };
 
 // True when the wgmma kernel serves these shapes: bf16 KV (or FP8 KV with fp8_prefill_enabled), bf16 q, D = 128,
-// G in {8, 16}, the partial workspaces present, TMA row coordinates within int32; `why` names the first unsupported one.
+// G in {8, 16}, the partial workspaces present, TMA row coordinates within int32; `why` names the first unsupported
+// one.
 bool prefill_supports(const PrefillParams& p, const char** why);
 
 // JAX_MSA_SM90_FP8_PREFILL=1 (read once): FP8 KV takes the wgmma kernel (converter warps) instead of the warp-MMA one.

@@ -1,8 +1,8 @@
 // Hopper (sm_90a) sparse prefill: what it serves, the TMA descriptors of the call, the kernel, then the combine.
 #include <cstdint>
-#include <cstdlib>
 
 #include "common/kv_format.h"
+#include "cuda/env_flag.h"
 #include "cuda/tensor_map.h"
 #include "sm80/prefill/prefill.h"
 #include "sm90/prefill/prefill.h"
@@ -14,10 +14,7 @@ constexpr int kHeadDim = 128;  // (config.h's, without pulling CuTe into this ho
 }  // namespace
 
 bool fp8_prefill_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_MSA_SM90_FP8_PREFILL");
-    return v != nullptr && v[0] == '1' && v[1] == '\0';
-  }();
+  static const bool on = cuda::env_flag("JAX_MSA_SM90_FP8_PREFILL");
   return on;
 }
 
