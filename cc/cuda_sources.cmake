@@ -7,6 +7,7 @@ set(JAX_MSA_CUDA_SOURCES
   cc/ffi/decode_cuda_handler.cc
   cc/sm80/decode/decode_dispatch.cu
   cc/sm80/decode/combine_splits.cu
+  cc/sm80/decode/cluster_launch.cc
   cc/sm80/decode/decode_bf16.cu
   cc/sm80/decode/decode_fp8.cu
   cc/sm80/decode/decode_nvfp4.cu

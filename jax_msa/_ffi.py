@@ -124,6 +124,16 @@ def kernel_path(major: int, minor: int, *, sm100_enabled: bool = False, sm90_ena
     return _cuda_module.select_kernel_path(int(major), int(minor), bool(sm100_enabled), bool(sm90_enabled))
 
 
+def decode_merge_launches() -> dict:
+    """Split-K launches of the CUDA decode since the module loaded, by how their splits were merged:
+    {"combine_kernel": n, "cluster": n} (cc/sm80/decode/cluster_launch.h). On sm_90+ the splits of a (token, KV
+    head) merge inside a thread-block cluster; JAX_MSA_DECODE_CLUSTER_MERGE=0 (read per call) or more than 16
+    splits take the combine kernel. Counted when a handler enqueues (a replayed command buffer is not counted)."""
+    if _cuda_module is None:
+        raise RuntimeError("jax_msa was built without the CUDA handlers")
+    return dict(_cuda_module.decode_merge_launches())
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Calls
 # ---------------------------------------------------------------------------------------------------------

@@ -160,7 +160,7 @@ def check_case(case):
         slack = np.maximum(1e-5, 4 * np.finfo(np.float32).eps * np.abs(ref_lse[live]))
         excess = np.abs(lse[live] - ref_lse[live]) - slack
         assert excess.max() <= 2 * np.abs(b16_lse[live] - ref_lse[live]).max(), excess.max()
-    return out
+    return out, lse
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
@@ -219,6 +219,37 @@ def test_decode_deterministic():
     b = run_kernel(case)
     np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
     np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+def _compute_capability():
+    return tuple(int(x) for x in str(_gpu()[0].compute_capability).split("."))
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("batch,q_len", [(1, 1), (11, 1), (7, 4), (64, 1)])  # 16, 12, 4 and 2 splits
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_decode_cluster_merge_matches_combine_kernel(fmt, batch, q_len, monkeypatch):
+    """On sm_90+ the split-K CTAs of a (token, KV head) run as one cluster and merge through distributed shared
+    memory; JAX_MSA_DECODE_CLUSTER_MERGE=0 (read per call) sends the partials through global memory to the combine
+    kernel. Both use split_merge.cuh's arithmetic: outputs bit-identical. The module's launch counters show which
+    path each call took (each run_kernel is a fresh jit, so nothing is replayed from an earlier capture)."""
+    from jax_msa import _ffi
+
+    case = make_case(500 + 10 * int(fmt) + batch, fmt, 16, q_len, batch)
+    paths = {}
+    for setting, path in (("1", "cluster"), ("0", "combine_kernel")):
+        monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", setting)
+        before = _ffi.decode_merge_launches()
+        out = check_case(case) if path == "cluster" else run_kernel(case)
+        after = _ffi.decode_merge_launches()
+        paths[path] = (out, {k: after[k] - before[k] for k in after})
+    cluster = _compute_capability() >= (9, 0)
+    assert paths["combine_kernel"][1]["cluster"] == 0 and paths["combine_kernel"][1]["combine_kernel"] >= 1
+    if cluster:
+        assert paths["cluster"][1]["cluster"] >= 1 and paths["cluster"][1]["combine_kernel"] == 0, paths["cluster"][1]
+    (out_c, lse_c), (out_k, lse_k) = paths["cluster"][0], paths["combine_kernel"][0]
+    np.testing.assert_array_equal(np.asarray(out_c, np.float32), np.asarray(out_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse_c), np.asarray(lse_k))
 
 
 @pytest.mark.sanitize

@@ -19,6 +19,7 @@
 #include "ffi/bindings.h"
 #include "ffi/cuda_handlers.h"
 #include "ffi/module_common.h"
+#include "sm80/decode/cluster_launch.h"
 
 #ifndef JAX_MSA_CUDA_ARCHS_CSV
 #error "JAX_MSA_CUDA_ARCHS_CSV (the CMAKE_CUDA_ARCHITECTURES list, comma-separated) must be defined by CMake"
@@ -86,5 +87,17 @@ NB_MODULE(_jax_msa_cuda, m) {
       nanobind::arg("major"), nanobind::arg("minor"), nanobind::arg("sm100_enabled"), nanobind::arg("sm90_enabled"),
       "The attention kernels the CUDA handlers pick for a device of this compute capability (cuda/kernel_path.h): "
       "'warp_mma', 'sm90', 'sm100' or 'unsupported'.");
+  m.def(
+      "decode_merge_launches",
+      []() {
+        const auto counts = jax_msa::sm80::decode::decode_merge_counts();
+        nanobind::dict d;
+        d["combine_kernel"] = counts[0];
+        d["cluster"] = counts[1];
+        return d;
+      },
+      "Split-K launches of the warp-MMA decode since the module loaded, by how their splits were merged: "
+      "{'combine_kernel': n, 'cluster': n} (sm80/decode/cluster_launch.h). A handler counts when it enqueues, so a "
+      "call replayed from a captured command buffer is not counted again.");
   jax_msa::ffi_bind::add_version_info(m);
 }

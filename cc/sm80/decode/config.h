@@ -12,7 +12,9 @@
 //   warps     : 4; warp w owns keys [16w, 16w + 16) of every chunk and keeps its own online softmax
 //               (m, l, O); a warp also loads and dequantizes only its own rows, so the main loop has no
 //               CTA-wide barrier; the 4 warps merge through shared memory at the end
-//   output    : one split -> bf16 out and lse directly; several -> fp32 partials + combine kernel
+//   output    : one split -> bf16 out and lse directly; several -> on sm_90+ the splits of a (token, KV head) run as
+//               one thread-block cluster and merge through distributed shared memory (cluster_merge.cuh); else
+//               fp32 partials + the combine kernel (combine_splits.cu)
 #pragma once
 #include <cstdint>
 
@@ -76,6 +78,10 @@ struct SharedPlan {
   // The epilogue reuses the stage area for the warps' fp32 partial outputs.
   static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
   static_assert(kBytes >= kMergeBytes, "merge area must fit in the reused stages");
+  // The cluster merge (cluster_merge.cuh) stages the CTA's partial after the merge area: 16 x 128 fp32 + 16 lse.
+  static constexpr int kClusterPartialOffset = kMergeBytes;
+  static constexpr int kClusterPartialBytes = kRows * kHeadDim * 4 + kRows * 4;
+  static_assert(kClusterPartialOffset + kClusterPartialBytes <= kBytes, "the cluster partial fits the stages");
   // kCtasPerSm CTAs an SM on sm_90 / sm_100 (227 KB; a few KB of static arrays and the driver's reserve each)
   static_assert(T::kCtasPerSm * (kBytes + 3 * 1024) <= 227 * 1024, "kCtasPerSm CTAs fit an SM's shared memory");
   // <= 96 KB dynamic + a few KB of static arrays: within the 99 KB per-block limit of sm_86 / sm_89 / sm_120,

@@ -11,6 +11,7 @@ bool decode_supports(const DecodeParams& p, const char** why) {
   else if (group < 1 || group > kRows || kRows % group != 0) reason = "GQA ratio must divide 16";
   else if (p.topk < 1 || p.topk > kMaxTopk) reason = "top-k must be in [1, 32]";
   else if (int64_t(p.batch) * p.q_len > 65535) reason = "batch * decode_query_len must be <= 65535";
+  else if (p.num_splits > kMaxTopk) reason = "num_splits must be <= 32";
   else if (p.num_splits > 1 && (p.partial_o == nullptr || p.partial_lse == nullptr)) reason = "split workspace missing";
   if (why) *why = reason;
   return reason == nullptr;

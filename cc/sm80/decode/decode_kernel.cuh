@@ -10,31 +10,25 @@
 #include "sm80/common/online_softmax.cuh"
 #include "sm80/common/warp_mma.cuh"
 #include "sm80/decode/chunk_io.cuh"
+#include "sm80/decode/cluster_merge.cuh"
 #include "sm80/decode/config.h"
 
 namespace jax_msa::sm80::decode {
 
-// Two consecutive query elements (row, d..d+1) as floats (the f16 path); rows past the group are zero.
-__device__ __forceinline__ float2 load_q_pair(const DecodeParams& p, int64_t row_base, int row, int group, int d) {
-  if (row >= group) return make_float2(0.0f, 0.0f);
-  const int64_t off = (row_base + row) * kHeadDim + d;
-  if (p.q_is_fp8) {
-    const uint8_t* q = static_cast<const uint8_t*>(p.q) + off;
-    return make_float2(e4m3_to_float(q[0]), e4m3_to_float(q[1]));  // q_scale is folded into the softmax scale
-  }
-  const uint32_t bits = *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + off);
-  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
-}
-
-// Two consecutive query elements (row, d..d+1) as bf16x2; rows past the group are zero.
-__device__ __forceinline__ uint32_t load_q_bf16x2(const DecodeParams& p, int64_t row_base, int row, int group, int d) {
+// Two consecutive query elements (row, d..d+1) as stored: bf16x2 bits, or the two e4m3 bytes (low half) when
+// q_is_fp8; rows past the group are zero (0 in both encodings).
+__device__ __forceinline__ uint32_t load_q_pair_raw(const DecodeParams& p, int64_t row_base, int row, int group,
+                                                    int d) {
   if (row >= group) return 0u;
   const int64_t off = (row_base + row) * kHeadDim + d;
-  if (p.q_is_fp8) {
-    const uint8_t* q = static_cast<const uint8_t*>(p.q) + off;
-    return pack_bf16x2(e4m3_to_float(q[0]), e4m3_to_float(q[1]));  // exact; q_scale is folded
-  }
+  if (p.q_is_fp8) return *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(p.q) + off);
   return *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + off);
+}
+
+// A raw pair as two floats (exact; q_scale is folded into the softmax scale).
+__device__ __forceinline__ float2 q_pair_to_float2(uint32_t raw, bool q_is_fp8) {
+  if (q_is_fp8) return make_float2(e4m3_to_float(uint8_t(raw & 0xff)), e4m3_to_float(uint8_t(raw >> 8)));
+  return make_float2(__uint_as_float(raw << 16), __uint_as_float(raw & 0xffff0000u));
 }
 
 // The first of the two dims that k-step ks, registers j and j + 1 (j = 0 or 2) of an A or B fragment hold in lane
@@ -45,30 +39,48 @@ __device__ __forceinline__ int fragment_dim(int lane, int ks, int j) {
   return kLaneDims ? 32 * (lane & 3) + 4 * ks + j : 16 * ks + 2 * (lane & 3) + 4 * j;
 }
 
-// Q as the A operand of 8 k-steps, rows lane / 4 (registers 0, 2) and lane / 4 + 8 (1, 3), dims as fragment_dim
-// places them. bf16: the values as they are (row_factor 1). f16: each row times 2^s with s chosen from the row's
-// largest magnitude so that it lands in [2^14, 2^15) (f16's top binade; every bf16 value then keeps its 8
-// significant bits unless it is 2^-38 times smaller than that largest one), and row_factor = 2^-s undoes it on the
-// scores.
-template <MmaOperand Op, bool kLaneDims>
-__device__ __forceinline__ void load_q_fragments(const DecodeParams& p, int64_t row_base, int group, int lane,
-                                                 uint32_t (&qf)[8][4], float (&row_factor)[2]) {
+// Q as stored, in the A-operand places of 8 k-steps: rows lane/4 (registers 0, 2) and lane/4 + 8 (1, 3), dims as
+// fragment_dim places them. Only issues the loads: q_fragments_from_raw consumes them, so the loads' latency
+// overlaps whatever the thread does in between (the chunk table, the first KV loads).
+template <bool kLaneDims>
+__device__ __forceinline__ void load_q_raw(const DecodeParams& p, int64_t row_base, int group, int lane,
+                                           uint32_t (&raw)[8][4]) {
   const int r0 = lane >> 2;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      raw[ks][j] = load_q_pair_raw(p, row_base, r0 + 8 * (j & 1), group, fragment_dim<kLaneDims>(lane, ks, j & 2));
+  }
+}
+
+// Q fragments of the MMA operand type from the raw pairs. bf16: the values as they are (row_factor 1). f16: each
+// row times 2^s with s chosen from the row's largest magnitude so that it lands in [2^14, 2^15) (f16's top binade;
+// every bf16 value then keeps its 8 significant bits unless it is 2^-38 times smaller than that largest one), and
+// row_factor = 2^-s undoes it on the scores.
+template <MmaOperand Op>
+__device__ __forceinline__ void q_fragments_from_raw(const uint32_t (&raw)[8][4], bool q_is_fp8, uint32_t (&qf)[8][4],
+                                                     float (&row_factor)[2]) {
   row_factor[0] = row_factor[1] = 1.0f;
   if constexpr (Op == MmaOperand::kBf16) {
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        qf[ks][j] = load_q_bf16x2(p, row_base, r0 + 8 * (j & 1), group, fragment_dim<kLaneDims>(lane, ks, j & 2));
+      for (int j = 0; j < 4; ++j) {
+        if (q_is_fp8) {
+          const float2 v = q_pair_to_float2(raw[ks][j], true);
+          qf[ks][j] = pack_bf16x2(v.x, v.y);  // exact
+        } else {
+          qf[ks][j] = raw[ks][j];
+        }
+      }
     }
   } else {
     float2 v[8][4];
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        v[ks][j] = load_q_pair(p, row_base, r0 + 8 * (j & 1), group, fragment_dim<kLaneDims>(lane, ks, j & 2));
+      for (int j = 0; j < 4; ++j) v[ks][j] = q_pair_to_float2(raw[ks][j], q_is_fp8);
     }
     float mul[2];
     {
@@ -99,7 +111,7 @@ __device__ __forceinline__ void load_q_fragments(const DecodeParams& p, int64_t 
 
 template <KvFormat F>
 __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
-    sparse_decode_kernel(const DecodeParams p) {
+    sparse_decode_kernel(const DecodeParams p, bool merge_in_cluster) {
   using Traits = FormatTraits<F>;
   using Plan = SharedPlan<F>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -111,17 +123,29 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int b = t / p.q_len;
+  const int64_t tokens = int64_t(p.batch) * p.q_len;
+  constexpr MmaOperand kOp = Traits::kOperand;
+  constexpr bool kRegisterPath = Traits::kRegisterPath;
+  const int64_t q_row_base = int64_t(t) * p.num_q_heads + int64_t(g) * group;
+
+  // ---- 1. the loads that depend on nothing are issued first, so their latencies overlap: the top-k row (warp 0),
+  //         the query (every warp keeps all of it) and the request's length
+  const int32_t* topk_row = p.topk_ids + (int64_t(g) * tokens + t) * p.topk;
+  const int id = warp == 0 && lane < p.topk ? topk_row[lane] : -1;
+  uint32_t q_raw[8][4];
+  load_q_raw<kRegisterPath>(p, q_row_base, group, lane, q_raw);
   const int seq_len = p.seq_lens[b];
   const int pos = seq_len - p.q_len + t % p.q_len;
-  const int64_t tokens = int64_t(p.batch) * p.q_len;
 
-  // ---- 1. the valid, deduplicated blocks of (t, g): one warp ballot; this split's share; its chunks
+  // ---- 2. the valid, deduplicated blocks of (t, g): one warp ballot; this split's share; its chunks
   if (warp == 0) {
     const int n_blocks = min((seq_len + kPageSize - 1) / kPageSize, p.max_blocks);
-    const int32_t* row = p.topk_ids + (int64_t(g) * tokens + t) * p.topk;
-    const int id = lane < p.topk ? row[lane] : -1;
     bool valid = id >= 0 && id < n_blocks && pos >= 0 && id <= pos / kPageSize;
-    for (int j = 0; j < lane && j < p.topk; ++j) valid = valid && row[j] != id;  // first copy only
+#pragma unroll
+    for (int j = 0; j < kMaxTopk - 1; ++j) {  // first copy only: a lower lane holding the same id wins
+      const int other = __shfl_sync(0xffffffffu, id, j);
+      valid = valid && !(j < lane && other == id);
+    }
     int64_t page = valid ? p.block_table[int64_t(b) * p.max_blocks + id] : -1;
     valid = valid && page >= 0 && page < p.num_pages;
     const unsigned mask = __ballot_sync(0xffffffffu, valid);
@@ -146,21 +170,29 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   __syncthreads();
   const int n_chunks = s_num_chunks;
 
-  // ---- 2. scales: q_scale and k_scale fold into the softmax scale (log2 units), v_scale into the output
-  constexpr MmaOperand kOp = Traits::kOperand;
+  // ---- 3. the first stages' KV loads, issued before the query conversion waits for the query
+  uint8_t* stages = smem + Plan::kStagesOffset;
+  auto stage_ptr = [&](int c) { return stages + (c % Traits::kStages) * Traits::kStageBytes; };
+  const int key0 = warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads and reads only those
+                                         // rows, so the loop synchronizes with __syncwarp alone
+#pragma unroll
+  for (int c = 0; c < Traits::kStages - 1; ++c) {
+    if (c < n_chunks) ChunkIO<F>::load(stage_ptr(c), p.kv_cache, p.num_kv_heads, g, s_chunks[c], key0, lane);
+    cute::cp_async_fence();
+  }
+
+  // ---- 4. scales: q_scale and k_scale fold into the softmax scale (log2 units), v_scale into the output
   const bool quantized = F != KvFormat::kBf16;
   const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
   const float k_scale = quantized ? p.scales[kKScale] : 1.0f;
   const float v_scale = quantized ? p.scales[kVScale] : 1.0f;
   const float scale_log2 = p.softmax_scale * q_scale * k_scale * kLog2e;
 
-  // ---- 3. Q fragments (A operand, 8 k-steps of 16 dims) for rows lane/4 and lane/4 + 8
-  constexpr bool kRegisterPath = Traits::kRegisterPath;
+  // ---- 5. Q fragments (A operand, 8 k-steps of 16 dims) for rows lane/4 and lane/4 + 8
   const int r0 = lane >> 2, c2 = (lane & 3) * 2;
-  const int64_t q_row_base = int64_t(t) * p.num_q_heads + int64_t(g) * group;
   uint32_t qf[8][4];
   float row_scale[2];
-  load_q_fragments<kOp, kRegisterPath>(p, q_row_base, group, lane, qf, row_scale);
+  q_fragments_from_raw<kOp>(q_raw, p.q_is_fp8, qf, row_scale);
   row_scale[0] *= scale_log2;
   row_scale[1] *= scale_log2;
 
@@ -169,17 +201,7 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   OnlineSoftmax softmax;
 
-  uint8_t* stages = smem + Plan::kStagesOffset;
-  auto stage_ptr = [&](int c) { return stages + (c % Traits::kStages) * Traits::kStageBytes; };
-  const int key0 = warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads and reads only those
-                                         // rows, so the loop synchronizes with __syncwarp alone
-
-  // ---- 4. per-warp pipeline over the chunks
-#pragma unroll
-  for (int c = 0; c < Traits::kStages - 1; ++c) {
-    if (c < n_chunks) ChunkIO<F>::load(stage_ptr(c), p.kv_cache, p.num_kv_heads, g, s_chunks[c], key0, lane);
-    cute::cp_async_fence();
-  }
+  // ---- 6. per-warp pipeline over the chunks
   for (int c = 0; c < n_chunks; ++c) {
     cute::cp_async_wait<Traits::kStages - 2>();
     __syncwarp();  // the warp's rows of chunk c have landed; its rows of chunk c-1's stage are free
@@ -248,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   }
   cute::cp_async_wait<0>();
 
-  // ---- 5. merge the 4 warps' (m, l, O) through shared memory
+  // ---- 7. merge the 4 warps' (m, l, O) through shared memory
   softmax.reduce_row_sums();
   __syncthreads();  // every warp is done with the stages: reuse them for the partial outputs
   float* merge = reinterpret_cast<float*>(smem);  // [warp][row][d]
@@ -268,9 +290,11 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   }
   __syncthreads();
 
-  // thread -> (row, 16 dims): 16 rows x 8 groups of 16 dims
+  // thread -> (row, 16 dims): 16 rows x 8 groups of 16 dims; rows past the group are computed (on zero queries)
+  // but never stored
   const int row = threadIdx.x >> 3, d0 = (threadIdx.x & 7) * 16;
-  if (row >= group) return;
+  const bool stored_row = row < group;
+  if (!stored_row && !merge_in_cluster) return;
   float m_all = -INFINITY;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, s_m[w][row]);
@@ -292,7 +316,16 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
     o[j] = v * inv;
   }
   const int64_t out_row = q_row_base + row;
-  if (p.num_splits <= 1) {
+  if (merge_in_cluster) {  // every thread takes part in the cluster's barriers
+    ClusterPartial* part = reinterpret_cast<ClusterPartial*>(smem + Plan::kClusterPartialOffset);
+    if (stored_row) {
+      float4* dst = reinterpret_cast<float4*>(&part->o[row][d0]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) dst[j] = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
+      if ((threadIdx.x & 7) == 0) part->lse[row] = lse;
+    }
+    merge_cluster_splits(p, part, group, q_row_base);
+  } else if (p.num_splits <= 1) {
     uint32_t packed[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) packed[j] = pack_bf16x2(o[2 * j], o[2 * j + 1]);

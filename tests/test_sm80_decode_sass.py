@@ -1,0 +1,33 @@
+"""What the warp-MMA decode kernels of cc/sm80/decode compile to, checked on any machine with nvcc (their numerics are
+checked on the H200 by test_gpu_decode.py): for sm_90a the split-K merge inside a thread-block cluster (cluster
+barriers, cluster_merge.cuh) and no spills at the register budget of kCtasPerSm CTAs an SM; for sm_80, where clusters
+do not exist, no cluster instruction (the launcher takes the combine kernel there)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import sass as sass_tools
+
+FORMATS = ["bf16", "fp8", "nvfp4"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_sm90a_merges_in_cluster(fmt, tmp_path):
+    sass, log = sass_tools.compile_unit(sass_tools.tools(), f"sm80/decode/decode_{fmt}.cu", "sm_90a", tmp_path)
+    kernels = set(re.findall(r"\.text\.(\S*sparse_decode_kernel\S*):", sass))
+    assert len(kernels) == 1, kernels
+    # two cluster barriers (partials staged; nobody leaves while others read), each an arrive and a wait
+    assert len(re.findall(r"\bUCGABAR_ARV\b", sass)) == 2, "cluster barrier arrives"
+    assert len(re.findall(r"\bUCGABAR_WAIT\b", sass)) == 2, "cluster barrier waits"
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
+    assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"
+
+
+def test_decode_sm80_has_no_cluster_code(tmp_path):
+    sass, log = sass_tools.compile_unit(sass_tools.tools(), "sm80/decode/decode_bf16.cu", "sm_80", tmp_path)
+    assert re.search(r"\.text\.\S*sparse_decode_kernel", sass)
+    assert not re.search(r"UCGABAR|\bMAPA\b", sass)
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
