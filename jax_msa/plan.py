@@ -40,7 +40,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_msa.reference import PAGE_SIZE, prefill_positions, selected_blocks
+from jax_msa.reference import PAGE_SIZE, prefill_positions
 
 
 @jax.tree_util.register_dataclass
@@ -75,15 +75,49 @@ class PrefillPlan:
 def _stable_sort_by_key(key, key_bound: int):
     """(order, sorted key) of a stable ascending sort of key [..., n] along its last axis, 0 <= key < key_bound.
 
-    When key_bound * n fits in 32 bits the sort is one single-operand sort of the composite key * n + index
-    (uint32), which XLA's GPU backend runs as a radix sort; otherwise a stable argsort of the key."""
-    n = key.shape[-1]
-    if key_bound * n <= 2**32:
-        index = jnp.arange(n, dtype=jnp.uint32)
-        composite = jnp.sort(key.astype(jnp.uint32) * jnp.uint32(n) + index, axis=-1)
-        return (composite % jnp.uint32(n)).astype(jnp.int32), (composite // jnp.uint32(n)).astype(jnp.int32)
-    order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
-    return order, jnp.take_along_axis(key, order, axis=-1)
+    The leading axes are folded into the key (row r's keys offset by r * key_bound) so that the sort is one 1-D
+    sort, which XLA's GPU backend runs as a cub radix sort (a batched sort runs as its own, much slower, bitonic
+    sort kernel): a single-operand sort of the composite key * N + index (uint32) when that fits 32 bits, else a
+    sort of (key, index) pairs; a stable argsort along the last axis when even the folded key needs 32 bits."""
+    shape = key.shape
+    n = shape[-1]
+    rows = math.prod(shape[:-1])
+    total = rows * n
+    bound = rows * key_bound
+    if total == 0 or bound >= 2**31:
+        order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+        return order, jnp.take_along_axis(key, order, axis=-1)
+    row_offset = (jnp.arange(rows, dtype=jnp.int32) * key_bound)[:, None]
+    flat_key = (key.reshape(rows, n).astype(jnp.int32) + row_offset).reshape(-1)
+    if bound * total <= 2**32:
+        index = jnp.arange(total, dtype=jnp.uint32)
+        composite = jnp.sort(flat_key.astype(jnp.uint32) * jnp.uint32(total) + index)
+        flat_order = (composite % jnp.uint32(total)).astype(jnp.int32)
+        sorted_flat = (composite // jnp.uint32(total)).astype(jnp.int32)
+    else:
+        sorted_flat, flat_order = jax.lax.sort((flat_key, jnp.arange(total, dtype=jnp.int32)), num_keys=1,
+                                               is_stable=True)
+    # row r's keys are the r-th n of the sorted sequence: back to per-row positions and keys
+    order = flat_order.reshape(rows, n) - (jnp.arange(rows, dtype=jnp.int32) * n)[:, None]
+    return order.reshape(shape), (sorted_flat.reshape(rows, n) - row_offset).reshape(shape)
+
+
+def _selected_edges(ids, n_blk, pos):
+    """Set semantics per (head, token), MSA.md section 2: (ids [Hkv, T, K], valid [Hkv, T, K], rank [Hkv, T, K]).
+
+    An id is valid when 0 <= id < n_blk[t], 128 * id <= pos[t] (a causally visible key), and no earlier slot of
+    the row holds the same id (first copy). rank = the number of valid ids of the row smaller than this one: the
+    edge's partial slot, ascending in block id (the order reference.selected_blocks sorts into). Pairwise K x K
+    comparisons, which XLA fuses into one elementwise pass, instead of a sort of every row."""
+    k = ids.shape[-1]
+    in_range = (ids >= 0) & (ids < n_blk[None, :, None]) & (ids <= jnp.floor_divide(pos, PAGE_SIZE)[None, :, None])
+    slot = jnp.arange(k, dtype=jnp.int32)
+    same = ids[..., :, None] == ids[..., None, :]  # [Hkv, T, K (this slot), K (other slot)]
+    earlier_copy = jnp.any(same & (slot[None, :] < slot[:, None]), axis=-1)
+    valid = in_range & ~earlier_copy
+    smaller = valid[..., None, :] & (ids[..., None, :] < ids[..., :, None])
+    rank = jnp.sum(smaller, axis=-1, dtype=jnp.int32)
+    return ids, valid, rank
 
 
 def work_capacity(num_kv_heads: int, total_q: int, topk: int, batch: int, max_blocks: int,
@@ -130,12 +164,7 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     n_blk = jnp.minimum((seq_lens[req] + PAGE_SIZE - 1) // PAGE_SIZE, max_blocks)
     n_blk = jnp.where(in_batch, n_blk, 0)  # [T]
 
-    # Set semantics per (head, token): sorted ids, first copies of valid ids only.
-    ids = jnp.moveaxis(topk.astype(jnp.int32), 1, 0)  # [T, Hkv, K]
-    blk, valid = jax.vmap(selected_blocks)(ids, n_blk, pos)  # [T, Hkv, K]
-    blk = jnp.moveaxis(blk, 0, 1)  # [Hkv, T, K]
-    valid = jnp.moveaxis(valid, 0, 1)
-    rank = jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1
+    blk, valid, rank = _selected_edges(topk.astype(jnp.int32), n_blk, pos)
     query_edge_count = jnp.sum(valid, axis=-1, dtype=jnp.int32)  # [Hkv, T]
 
     # Edge keys in (token, k) order; a stable sort keeps tokens ascending within a row.
