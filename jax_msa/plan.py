@@ -120,6 +120,22 @@ def _selected_edges(ids, n_blk, pos):
     return ids, valid, rank
 
 
+def _row_pointers(sorted_key, rows: int):
+    """row_ptr [Hkv, rows + 1] of sorted_key [Hkv, E] (keys in [0, rows], rows = the non-edges): the position of each
+    row's first key, or of the next present row's (E past the last), as searchsorted(side="left") gives it.
+
+    A row's first key is where the sorted key changes: one scatter of those positions (each row at most once, the
+    other updates out of range and dropped; no collisions), then a reverse running minimum fills the absent rows.
+    A binary search here was an XLA while loop (one trip per bit of E, each a host round trip on the GPU)."""
+    hkv, e = sorted_key.shape
+    first = jnp.concatenate([jnp.ones((hkv, 1), bool), sorted_key[:, 1:] != sorted_key[:, :-1]], axis=1)
+    target = jnp.where(first, sorted_key, rows + 1)
+    head = jnp.broadcast_to(jnp.arange(hkv, dtype=jnp.int32)[:, None], (hkv, e))
+    position = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32)[None, :], (hkv, e))
+    starts = jnp.full((hkv, rows + 1), e, jnp.int32).at[head, target].min(position, mode="drop")
+    return jax.lax.cummin(starts, axis=1, reverse=True)
+
+
 def work_capacity(num_kv_heads: int, total_q: int, topk: int, batch: int, max_blocks: int,
                   queries_per_tile: int) -> int:
     rows = batch * max_blocks
@@ -175,9 +191,7 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     edge_query = jnp.where(is_edge, order // k, -1)
     edge_rank = jnp.where(is_edge, jnp.take_along_axis(rank.reshape(hkv, edges), order, axis=-1), -1)
 
-    # Row pointers by a binary search of each row's first edge in the sorted keys (no scatter).
-    row_ptr = jax.vmap(lambda sk: jnp.searchsorted(sk, jnp.arange(rows + 1, dtype=jnp.int32), side="left"))(
-        sorted_key).astype(jnp.int32)
+    row_ptr = _row_pointers(sorted_key, rows)
     row_count = row_ptr[:, 1:] - row_ptr[:, :-1]
 
     # Work tiles: ceil(count / Q) per (head, row); tile w -> its (head, row) by a search over the
