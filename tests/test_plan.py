@@ -433,3 +433,38 @@ def test_cpu_prefill_handler_consumes_any_tile_size():
     for (qpt, order), (out, lse) in results.items():
         np.testing.assert_array_equal(out, base_out, err_msg=f"Q={qpt}, {order}")
         np.testing.assert_array_equal(lse, base_lse, err_msg=f"Q={qpt}, {order}")
+
+
+@pytest.mark.parametrize("shape,key_bound", [
+    ((3, 1000), 7),           # composite key * N + index fits 32 bits: one single-operand sort
+    ((2, 70000), 40000),      # it does not: a (key, index) pair sort (the 128k plan's edge sort)
+    ((5, 3000), 2**30),       # even the folded key needs 32 bits: argsort along the last axis
+    ((1, 5), 3),
+    ((4, 0), 3),
+])
+def test_stable_sort_by_key_paths(shape, key_bound):
+    """The 1-D folded sort the plan uses, on each of its three paths, against numpy's stable argsort."""
+    from jax_msa.plan import _stable_sort_by_key
+
+    key = np.random.default_rng(key_bound).integers(0, key_bound, shape).astype(np.int32)
+    key[..., ::3] = key[..., :1]  # ties, so stability matters
+    order, sorted_key = _stable_sort_by_key(jnp.asarray(key), key_bound)
+    want = np.argsort(key, axis=-1, kind="stable")
+    np.testing.assert_array_equal(np.asarray(order), want)
+    np.testing.assert_array_equal(np.asarray(sorted_key), np.take_along_axis(key, want, axis=-1))
+
+
+@pytest.mark.parametrize("case", ["mixed", "all_edges", "no_edges", "one_row"])
+def test_row_pointers_match_searchsorted(case):
+    """row_ptr from the first-position scatter equals searchsorted(side="left") of every row id, empty rows and the
+    non-edge sentinel row included."""
+    from jax_msa.plan import _row_pointers
+
+    rows, e = 9, 50
+    rng = np.random.default_rng(len(case))
+    keys = {"mixed": rng.integers(0, rows + 1, (3, e)), "all_edges": rng.integers(0, rows, (3, e)),
+            "no_edges": np.full((3, e), rows), "one_row": np.full((3, e), 4)}[case]
+    sorted_key = np.sort(keys, axis=-1).astype(np.int32)
+    got = np.asarray(_row_pointers(jnp.asarray(sorted_key), rows))
+    want = np.stack([np.searchsorted(sk, np.arange(rows + 1), side="left") for sk in sorted_key])
+    np.testing.assert_array_equal(got, want)
