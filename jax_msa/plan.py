@@ -103,7 +103,7 @@ def _stable_sort_by_key(key, key_bound: int):
 
 
 def _selected_edges(ids, n_blk, pos):
-    """Set semantics per (head, token), MSA.md section 2: (ids [Hkv, T, K], valid [Hkv, T, K], rank [Hkv, T, K]).
+    """Set semantics per (head, token), MSA.md section 2, of ids [Hkv, T, K]: (valid [Hkv, T, K], rank [Hkv, T, K]).
 
     An id is valid when 0 <= id < n_blk[t], 128 * id <= pos[t] (a causally visible key), and no earlier slot of
     the row holds the same id (first copy). rank = the number of valid ids of the row smaller than this one: the
@@ -117,7 +117,7 @@ def _selected_edges(ids, n_blk, pos):
     valid = in_range & ~earlier_copy
     smaller = valid[..., None, :] & (ids[..., None, :] < ids[..., :, None])
     rank = jnp.sum(smaller, axis=-1, dtype=jnp.int32)
-    return ids, valid, rank
+    return valid, rank
 
 
 def _row_pointers(sorted_key, rows: int):
@@ -180,7 +180,8 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     n_blk = jnp.minimum((seq_lens[req] + PAGE_SIZE - 1) // PAGE_SIZE, max_blocks)
     n_blk = jnp.where(in_batch, n_blk, 0)  # [T]
 
-    blk, valid, rank = _selected_edges(topk.astype(jnp.int32), n_blk, pos)
+    blk = topk.astype(jnp.int32)  # [Hkv, T, K]
+    valid, rank = _selected_edges(blk, n_blk, pos)
     query_edge_count = jnp.sum(valid, axis=-1, dtype=jnp.int32)  # [Hkv, T]
 
     # Edge keys in (token, k) order; a stable sort keeps tokens ascending within a row.
