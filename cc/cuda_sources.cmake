@@ -22,6 +22,7 @@ set(JAX_MSA_CUDA_SOURCES
   cc/sm90/prefill/prefill_dispatch.cc
   cc/sm90/prefill/prefill_bf16.cu
   cc/sm90/prefill/prefill_fp8.cu
+  cc/sm90/prefill/prefill_nvfp4.cu
   cc/sm100/decode/decode_dispatch.cu
   cc/sm100/decode/decode_bf16.cu
   cc/sm100/decode/decode_fp8.cu

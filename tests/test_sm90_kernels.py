@@ -1,7 +1,8 @@
-"""What the Hopper (sm_90a) wgmma prefill kernels of cc/sm90 (bf16 and FP8 KV) compile to, checked on any machine with
-nvcc (their numerics are checked on the H200 by test_gpu_prefill.py): warpgroup MMAs (HGMMA) for S = Q K^T and
-O = P V, TMA loads (UTMALDG), register reconfiguration, no spills, and none of ptxas's "wgmma serialized" diagnostics
-(C7520), which a wgmma under a data-dependent branch would bring back."""
+"""What the Hopper (sm_90a) wgmma prefill kernels of cc/sm90 (bf16, FP8 and NVFP4 KV) compile to, checked on any machine
+with nvcc (their numerics are checked on the H200 by test_gpu_prefill.py; NVFP4's not yet): warpgroup MMAs (HGMMA) for
+S = Q K^T and O = P V, TMA loads (UTMALDG; NVFP4's cache slots by bulk copies, UBLKCP), register reconfiguration, no
+spills, and none of ptxas's "wgmma serialized" diagnostics (C7520), which a wgmma under a data-dependent branch would
+bring back."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import sass as sass_tools
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp8"])
+@pytest.fixture(scope="module", params=["bf16", "fp8", "nvfp4"])
 def compiled(request, tmp_path_factory):
     tools = sass_tools.tools()
     return sass_tools.compile_unit(tools, f"sm90/prefill/prefill_{request.param}.cu", "sm_90a",
@@ -27,6 +28,8 @@ def test_wgmma_prefill_sass(compiled):
     assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) >= 16
     assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) >= 8
     assert re.search(r"\bUTMALDG\.2D\b", sass), "no TMA loads"
+    if any("KvFormatE2" in k for k in kernels):  # KvFormat::kNvfp4
+        assert re.search(r"\bUBLKCP\.S\.G\b", sass), "NVFP4: the cache slots arrive by bulk copies"
     assert re.search(r"USETMAXREG\.DEALLOC", sass) and re.search(r"USETMAXREG\.TRY_ALLOC", sass)
     assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"
 
@@ -35,6 +38,6 @@ def test_wgmma_prefill_not_serialized(compiled):
     _, log = compiled
     assert "C7520" not in log and "serialized" not in log, log
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
-    # setmaxnreg: 128 x 40 + 256 x 232 (FP8: 128 x 56 + 256 x 224) registers come out of the 384 x 168 the kernel
+    # setmaxnreg: 128 x 40 + 256 x 232 (FP8, NVFP4: 128 x 56 + 256 x 224) registers come out of the 384 x 168 the kernel
     # launches with; with fewer, the consumers' allocation would wait forever
     assert re.search(r"Used 168 registers", log), log

@@ -1,14 +1,14 @@
 // Hopper (sm_90a) sparse prefill, KV-block-major over the jnp plan: traits, shared-memory plan, MMA atoms, barriers.
 //
 // Work unit: one plan work item = (KV head g, request b, block blk, <= 128 / G query tokens that selected the block),
-// the same items the warp-MMA prefill (cc/sm80/prefill) serves; bf16 or FP8 KV with bf16 queries and G in {8, 16}
-// come here (prefill_supports), everything else keeps the warp-MMA kernels.
+// the same items the warp-MMA prefill (cc/sm80/prefill) serves; bf16, FP8 or NVFP4 KV (the last two opt-in) with bf16
+// queries and G in {8, 16} come here (prefill_supports), everything else keeps the warp-MMA kernels.
 //
 //   CTA      : persistent, one an SM (grid = min(SMs, work capacity); CTA c takes items c, c + grid, ...), three
 //              warpgroups. Warpgroup 0: warp 0 is the producer (reads the next item's queries from the plan while the
-//              current one loads, then TMA-loads the tile's G query rows a token and the block into a stage); for FP8
-//              warps 1-3 are converters (the block's raw e4m3 rows -> the stage's bf16 K and V tiles). Warpgroups 1
-//              and 2 are consumers (tile rows [64 (wg - 1), +64) each: 4 tokens x 16 heads for M3).
+//              current one loads, then TMA-loads the tile's G query rows a token and the block into a stage); for
+//              FP8 and NVFP4 warps 1-3 are converters (the block's raw K and V bytes -> the stage's bf16 tiles).
+//              Warpgroups 1 and 2 are consumers (tile rows [64 (wg - 1), +64) each: 4 tokens x 16 heads for M3).
 //   pipeline : kStages stages of [Q tile | K | V]. Q|K and V have their own full / empty barriers: a stage's Q|K is
 //              refilled as soon as the consumers' S = Q K^T is done, its V once O = P V is done.
 //   MMA      : S = Q K^T by wgmma m64n64k16 (both operands in shared memory, K-major) for both 64-key halves of the
@@ -19,8 +19,8 @@
 //   softmax  : over the whole block at once (both halves' S are in registers), causal mask per row (key < visible)
 //   output   : one normalized bf16 partial (and its lse) per (query, selected block) at the plan's rank slot, as the
 //              warp-MMA kernel writes them; the warp-MMA combine (sm80/prefill/combine_partials.cu) merges them.
-//              FP8: the tiles hold the raw e4m3 values (exact in bf16); k_scale is folded into the softmax scale and
-//              v_scale into the normalization.
+//              FP8: the tiles hold the raw e4m3 values (exact in bf16); NVFP4: e2m1 x its e4m3 block scale (exact
+//              in bf16). k_scale is folded into the softmax scale and v_scale into the normalization.
 #pragma once
 #include <cstdint>
 
@@ -45,22 +45,34 @@ constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);
 constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
 constexpr int kStages = 2;
 constexpr int kMaxTokens = 16;  // tokens of a tile: 128 / G for G in {8, 16}
-constexpr int kConverterWarps = 3;  // FP8: warps 1-3 of the producer warpgroup
+constexpr int kConverterWarps = 3;  // FP8 / NVFP4: warps 1-3 of the producer warpgroup
+
+// The cache formats whose blocks the converter warps turn into bf16 tiles.
+template <KvFormat F>
+constexpr bool kConverted = F != KvFormat::kBf16;
 // Registers a thread after setmaxnreg: the producer warpgroup gives, the consumers take (S 64 + O 64 + P 32 fp32/bf16
-// registers live across the overlap); the FP8 converters need a few more. 128 * producer + 256 * consumer <= 64K.
+// registers live across the overlap); the converters need a few more. 128 * producer + 256 * consumer <= 64K.
 template <KvFormat F>
-constexpr int kProducerRegisters = F == KvFormat::kFp8 ? 56 : 40;
+constexpr int kProducerRegisters = kConverted<F> ? 56 : 40;
 template <KvFormat F>
-constexpr int kConsumerRegisters = F == KvFormat::kFp8 ? 224 : 232;
+constexpr int kConsumerRegisters = kConverted<F> ? 224 : 232;
 static_assert(kWarpgroupThreads * (kProducerRegisters<KvFormat::kBf16> +
                                    kConsumerWarpgroups * kConsumerRegisters<KvFormat::kBf16>) <= 65536);
 static_assert(kWarpgroupThreads * (kProducerRegisters<KvFormat::kFp8> +
                                    kConsumerWarpgroups * kConsumerRegisters<KvFormat::kFp8>) <= 65536);
+// (these asserts also instantiate the variable templates: nvcc 13.0 rejects one first instantiated as the template
+// argument of warpgroup_reg_alloc / _dealloc)
+static_assert(kWarpgroupThreads * (kProducerRegisters<KvFormat::kNvfp4> +
+                                   kConsumerWarpgroups * kConsumerRegisters<KvFormat::kNvfp4>) <= 65536);
 
 constexpr int kRowBytes = kHeadDim * 2;                      // one bf16 row of 128 dims
 constexpr int kColumnHalfBytes = kBlockKeys * 128;           // one 64-dim column half of a 128-row tile (16 KB)
 constexpr int kTileBytes = kTileRows * kRowBytes;            // 32 KB: Q tile, K tile, V tile alike
-constexpr int kRawTileBytes = kBlockKeys * kHeadDim;         // FP8: one block's e4m3 K (or V) rows, 16 KB
+// Raw bytes of one block's K (or V) as the producer loads them for the converters.
+template <KvFormat F>
+constexpr int kRawTileBytes = F == KvFormat::kNvfp4
+                                  ? kBlockKeys * (kHeadDim / 2 + kHeadDim / 16)  // the NVFP4 slot: data | scales, 9 KB
+                                  : kBlockKeys * kHeadDim;                       // FP8: 128 e4m3 rows, 16 KB
 
 
 using Element = cute::bfloat16_t;
@@ -95,33 +107,37 @@ struct alignas(1024) SharedStorage {
     uint8_t v[kTileBytes];  // values of the block
   } stage[kStages];
   TileMeta meta[kStages];
-  uint64_t qk_full[kStages];   // -> consumers: meta written, Q and K landed (producer arrival + TMA bytes; FP8: + one
-                               // arrival per converter warp once K is written)
+  uint64_t qk_full[kStages];   // -> consumers: meta written, Q and K landed (producer arrival + TMA bytes; FP8 / NVFP4:
+                               // + one arrival per converter warp once K is written)
   uint64_t qk_empty[kStages];  // consumers -> producer (and converters): S done, Q and K free (one arrival a consumer warp)
-  uint64_t v_full[kStages];    // -> consumers: V landed (bf16: producer arrival + TMA bytes; FP8: the converter warps)
+  uint64_t v_full[kStages];    // -> consumers: V landed (bf16: producer arrival + TMA bytes; else the converters)
   uint64_t v_empty[kStages];   // consumers -> producer (and converters): O done, V free
   uint64_t v_landed[kStages];  // bf16, a block that ends inside its page: TMA -> producer, which zeroes the V rows past
                                // the request (0 * NaN would poison O) before it arrives on v_full
 };
 
-// FP8 KV: the block's raw e4m3 K and V rows (128 rows x 128 B each, TMA without swizzle) land in raw[0] and raw[1]; the
-// converter warps write them as bf16 into a stage's K and V tiles. Each raw buffer is refilled as soon as it is
-// converted, so the next block's K bytes load while this block's V is converted.
-struct alignas(1024) Fp8Storage {
+// FP8 / NVFP4 KV: the block's raw K and V bytes land in raw[0] and raw[1] (FP8: 128 e4m3 rows x 128 B each, TMA
+// without swizzle; NVFP4: the head's K and V cache slots, 9 KB each, one bulk copy each); the converter warps write
+// them as bf16 into a stage's K and V tiles. Each raw buffer is refilled as soon as it is converted, so the next
+// block's K bytes load while this block's V is converted.
+template <KvFormat F>
+struct alignas(1024) RawStorage {
   SharedStorage s;
-  uint8_t raw[2][kRawTileBytes];
+  alignas(128) uint8_t raw[2][kRawTileBytes<F>];
   uint64_t raw_full[2];   // producer arrival + TMA bytes -> converters
   uint64_t raw_empty[2];  // converters -> producer (one arrival a converter warp)
   int raw_load[2];        // the raw buffer holds a block (0: the item loads nothing)
-  int raw_n_keys;         // keys of raw[1]'s block inside the request (V rows past it are written as zeros)
+  int raw_n_keys[2];      // keys of the buffer's block inside the request (rows past it are written as zeros; FP8 K:
+                          // converted and masked)
 };
 
 template <KvFormat F>
-using Storage = std::conditional_t<F == KvFormat::kFp8, Fp8Storage, SharedStorage>;
+using Storage = std::conditional_t<kConverted<F>, RawStorage<F>, SharedStorage>;
 
 template <KvFormat F>
 constexpr int kSmemBytes = int(sizeof(Storage<F>)) + 1024;  // + slack to align the dynamic base to 1 KB
-static_assert(kSmemBytes<KvFormat::kBf16> <= 227 * 1024 && kSmemBytes<KvFormat::kFp8> <= 227 * 1024,
+static_assert(kSmemBytes<KvFormat::kBf16> <= 227 * 1024 && kSmemBytes<KvFormat::kFp8> <= 227 * 1024 &&
+                  kSmemBytes<KvFormat::kNvfp4> <= 227 * 1024,
               "one CTA an SM (sm_90 / sm_100 shared memory)");
 
 }  // namespace jax_msa::sm90::prefill

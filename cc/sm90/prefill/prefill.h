@@ -15,10 +15,12 @@ struct TmaPrefillArgs {
   CUtensorMap q_map;   // q as [T * Hq rows, 128] bf16 (row stride 256 B); box 64 dims x G rows, 128-byte swizzle
   CUtensorMap kv_map;  // bf16 cache as [pages * Hkv * 128 rows, 256] bf16 (row = token: K dims 0-127, V 128-255,
                        // stride 512 B), box 64 dims x 128 rows, 128-byte swizzle; FP8 cache as [pages * Hkv * 128
-                       // rows, 256] bytes (K bytes 0-127, V 128-255), box 128 bytes x 128 rows, no swizzle
+                       // rows, 256] bytes (K bytes 0-127, V 128-255), box 128 bytes x 128 rows, no swizzle; NVFP4:
+                       // not encoded (its cache slots are loaded by bulk copies from p.kv_cache)
 };
 
-// True when the wgmma kernel serves these shapes: bf16 KV (or FP8 KV with fp8_prefill_enabled), bf16 q, D = 128,
+// True when the wgmma kernel serves these shapes: bf16 KV (FP8 KV with fp8_prefill_enabled, NVFP4 KV with
+// nvfp4_prefill_enabled), bf16 q, D = 128,
 // G in {8, 16}, the partial workspaces present, TMA row coordinates within int32; `why` names the first unsupported
 // one.
 bool prefill_supports(const PrefillParams& p, const char** why);
@@ -28,12 +30,17 @@ bool prefill_supports(const PrefillParams& p, const char** why);
 // report) on its small case and has not run clean yet.
 bool fp8_prefill_enabled();
 
+// JAX_MSA_SM90_NVFP4_PREFILL=1 (read once): NVFP4 KV takes the wgmma kernel (bulk copies of the cache slots, converter
+// warps) instead of the warp-MMA one. Opt-in and UNVERIFIED: compiled, never run on a GPU yet.
+bool nvfp4_prefill_enabled();
+
 // The wgmma prefill kernel over the plan's work list (persistent, the count read on device), then the combine of each
 // query's partials into out / lse. No host sync, no allocation (the TMA descriptors are kernel parameters).
 cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream);
 
-// The kernel alone, one translation unit a format (prefill_bf16.cu, prefill_fp8.cu).
+// The kernel alone, one translation unit a format (prefill_bf16.cu, prefill_fp8.cu, prefill_nvfp4.cu).
 cudaError_t launch_sparse_prefill_bf16(const TmaPrefillArgs& args, cudaStream_t stream);
 cudaError_t launch_sparse_prefill_fp8(const TmaPrefillArgs& args, cudaStream_t stream);
+cudaError_t launch_sparse_prefill_nvfp4(const TmaPrefillArgs& args, cudaStream_t stream);
 
 }  // namespace jax_msa::sm90::prefill

@@ -18,13 +18,20 @@ bool fp8_prefill_enabled() {
   return on;
 }
 
+bool nvfp4_prefill_enabled() {
+  static const bool on = cuda::env_flag("JAX_MSA_SM90_NVFP4_PREFILL");
+  return on;
+}
+
 bool prefill_supports(const PrefillParams& p, const char** why) {
   const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
   const char* reason = nullptr;
-  if (p.kv_format != KvFormat::kBf16 && p.kv_format != KvFormat::kFp8)
-    reason = "the wgmma prefill takes a bf16 or FP8 KV cache";
-  else if (p.kv_format == KvFormat::kFp8 && !fp8_prefill_enabled())
+  if (p.kv_format == KvFormat::kFp8 && !fp8_prefill_enabled())
     reason = "FP8 KV on the wgmma prefill is opt-in (JAX_MSA_SM90_FP8_PREFILL=1) until memcheck has run clean on it";
+  else if (p.kv_format == KvFormat::kNvfp4 && !nvfp4_prefill_enabled())
+    reason = "NVFP4 KV on the wgmma prefill is opt-in (JAX_MSA_SM90_NVFP4_PREFILL=1): not yet run on a GPU";
+  else if (p.kv_format == KvFormat::kNvfp4 && reinterpret_cast<uintptr_t>(p.kv_cache) % 16 != 0)
+    reason = "the NVFP4 cache must be 16-byte aligned (bulk copies of its slots)";
   else if (p.q_is_fp8) reason = "the wgmma prefill takes bf16 queries";
   else if (p.head_dim != kHeadDim) reason = "head_dim must be 128";
   else if (group != 8 && group != 16) reason = "the wgmma prefill packs G = 8 or 16 query heads a token";
@@ -46,7 +53,7 @@ cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
       e != cudaSuccess)
     return e;
   const bool fp8 = p.kv_format == KvFormat::kFp8;
-  if (p.num_pages > 0) {
+  if (p.num_pages > 0 && p.kv_format != KvFormat::kNvfp4) {
     const uint64_t rows = uint64_t(p.num_pages) * p.num_kv_heads * kPageSize;
     if (cudaError_t e = fp8 ? cuda::encode_u8_tensor_map_2d(&args.kv_map, p.kv_cache, rows, 2 * kHeadDim, 2 * kHeadDim,
                                                             uint32_t(kPageSize), kHeadDim)
@@ -55,9 +62,13 @@ cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
         e != cudaSuccess)
       return e;
   }
-  if (cudaError_t e = fp8 ? launch_sparse_prefill_fp8(args, stream) : launch_sparse_prefill_bf16(args, stream);
-      e != cudaSuccess)
-    return e;
+  cudaError_t launched = cudaSuccess;
+  switch (p.kv_format) {
+    case KvFormat::kBf16: launched = launch_sparse_prefill_bf16(args, stream); break;
+    case KvFormat::kFp8: launched = launch_sparse_prefill_fp8(args, stream); break;
+    case KvFormat::kNvfp4: launched = launch_sparse_prefill_nvfp4(args, stream); break;
+  }
+  if (launched != cudaSuccess) return launched;
   return sm80::prefill::launch_combine_partials(p, stream);
 }
 

@@ -1,8 +1,8 @@
 // Hopper (sm_90a) sparse prefill kernel: a persistent, warp-specialized CTA (see config.h) = a TMA producer warp that
-// stages each work item's block and query tile (FP8: plus three warps converting the block to bf16), and two wgmma
-// consumer warpgroups that attend the tile's 128 rows over the block and write one normalized partial and its lse per
-// (query, selected block). Reads the plan only through PlanView; included by prefill_bf16.cu and prefill_fp8.cu, one
-// instantiation each.
+// stages each work item's block and query tile (FP8 / NVFP4: plus three warps converting the block to bf16), and two
+// wgmma consumer warpgroups that attend the tile's 128 rows over the block and write one normalized partial and its lse
+// per (query, selected block). Reads the plan only through PlanView; included by prefill_bf16.cu, prefill_fp8.cu and
+// prefill_nvfp4.cu, one instantiation each.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -18,7 +18,7 @@
 #include "sm80/common/register_pack.cuh"
 #include "sm80/common/warp_mma.cuh"
 #include "sm90/prefill/config.h"
-#include "sm90/prefill/convert_fp8.cuh"
+#include "sm90/prefill/convert_tiles.cuh"
 #include "sm90/prefill/prefill.h"
 
 namespace jax_msa::sm90::prefill {
@@ -35,7 +35,10 @@ __device__ __forceinline__ Storage<F>& shared_storage(uint8_t* raw) {
 }
 
 __device__ __forceinline__ SharedStorage& shared_part(SharedStorage& s) { return s; }
-__device__ __forceinline__ SharedStorage& shared_part(Fp8Storage& f) { return f.s; }
+template <KvFormat F>
+__device__ __forceinline__ SharedStorage& shared_part(RawStorage<F>& f) {
+  return f.s;
+}
 
 constexpr uint64_t kEvictNormal = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
 
@@ -77,14 +80,15 @@ __device__ __forceinline__ ProducerItem read_item(const PrefillParams& p, const 
 
 // Per item: wait for the stage's Q|K to be free, write the tile's queries into the stage's TileMeta, arm Q|K's full
 // barrier with the transaction bytes and load the tokens' G query rows (lanes < count, two 64-dim boxes each) and
-// (bf16) the block's K column halves; then wait for the stage's V and load it (bf16), or (FP8) load the block's raw K
-// and V bytes into the converters' buffers as each is handed back. The next item's plan entries (a chain of dependent
+// (bf16) the block's K column halves; then wait for the stage's V and load it (bf16), or (FP8 / NVFP4) load the block's
+// raw K and V bytes into the converters' buffers as each is handed back (FP8: a TMA box of the K or V byte columns;
+// NVFP4: one bulk copy of the head's K or V cache slot). The next item's plan entries (a chain of dependent
 // global loads) are read right after, while the consumers still hold the stages. An item nobody sees (invalid page)
 // loads nothing; its barriers complete on the arrivals alone.
 template <KvFormat F>
 __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F>& storage, const PlanView& plan,
                                               int n_items) {
-  constexpr bool kFp8 = F == KvFormat::kFp8;
+  constexpr bool kRaw = kConverted<F>;
   SharedStorage& s = shared_part(storage);
   const PrefillParams& p = a.p;
   const int lane = threadIdx.x & 31;
@@ -116,7 +120,7 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
     __syncwarp();
     const int q_bytes = r.count * group * kRowBytes;
     if (lane == 0)  // release: the meta above is visible to whoever acquires the barrier's phase
-      ClusterTransactionBarrier::arrive_and_expect_tx(&s.qk_full[st], load ? q_bytes + (kFp8 ? 0 : kTileBytes) : 0);
+      ClusterTransactionBarrier::arrive_and_expect_tx(&s.qk_full[st], load ? q_bytes + (kRaw ? 0 : kTileBytes) : 0);
     __syncwarp();
     if (load && lane < r.count) {
       const int row = r.token * p.num_q_heads + v.item.head * group;
@@ -125,18 +129,25 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
         cute::SM90_TMA_LOAD_2D::copy(&a.q_map, &s.qk_full[st], kEvictNormal,
                                      sg.q + h * kColumnHalfBytes + lane * group * 128, h * 64, row);
     }
-    if constexpr (kFp8) {
-      // lane 0: the K bytes of the block's rows into raw[0], then lane 1: the V bytes into raw[1]
+    if constexpr (kRaw) {
+      // lane 0: the block's K bytes into raw[0], then its V bytes into raw[1]
 #pragma unroll
       for (int kv = 0; kv < 2; ++kv) {
         ClusterBarrier::wait(&storage.raw_empty[kv], (k & 1) ^ 1);
         if (lane == 0) {
           storage.raw_load[kv] = load;
-          if (kv == 1) storage.raw_n_keys = v.n_keys;
-          ClusterTransactionBarrier::arrive_and_expect_tx(&storage.raw_full[kv], load ? kRawTileBytes : 0);
-          if (load)
-            cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, &storage.raw_full[kv], kEvictNormal, storage.raw[kv],
-                                         kv * kHeadDim, kv_row);
+          storage.raw_n_keys[kv] = v.n_keys;
+          ClusterTransactionBarrier::arrive_and_expect_tx(&storage.raw_full[kv], load ? kRawTileBytes<F> : 0);
+          if (load) {
+            if constexpr (F == KvFormat::kNvfp4) {
+              const uint8_t* slot = static_cast<const uint8_t*>(p.kv_cache) +
+                                    ((v.page * p.num_kv_heads + v.item.head) * 2 + kv) * int64_t(kRawTileBytes<F>);
+              cute::SM90_BULK_COPY_G2S::copy(slot, &storage.raw_full[kv], storage.raw[kv], kRawTileBytes<F>);
+            } else {
+              cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, &storage.raw_full[kv], kEvictNormal, storage.raw[kv],
+                                           kv * kHeadDim, kv_row);
+            }
+          }
         }
         __syncwarp();
       }
@@ -386,7 +397,7 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
 template <KvFormat F>
 __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const __grid_constant__ TmaPrefillArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kFp8 = F == KvFormat::kFp8;
+  constexpr bool kRaw = kConverted<F>;
   extern __shared__ uint8_t smem_raw[];
   Storage<F>& storage = shared_storage<F>(smem_raw);
   SharedStorage& s = shared_part(storage);
@@ -396,13 +407,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) {
-      ClusterBarrier::init(&s.qk_full[st], kFp8 ? 1 + kConverterWarps : 1);
+      ClusterBarrier::init(&s.qk_full[st], kRaw ? 1 + kConverterWarps : 1);
       ClusterBarrier::init(&s.qk_empty[st], kConsumerWarps);
-      ClusterBarrier::init(&s.v_full[st], kFp8 ? kConverterWarps : 1);
+      ClusterBarrier::init(&s.v_full[st], kRaw ? kConverterWarps : 1);
       ClusterBarrier::init(&s.v_empty[st], kConsumerWarps);
       ClusterBarrier::init(&s.v_landed[st], 1);
     }
-    if constexpr (kFp8) {
+    if constexpr (kRaw) {
 #pragma unroll
       for (int kv = 0; kv < 2; ++kv) {
         ClusterBarrier::init(&storage.raw_full[kv], 1);
@@ -411,7 +422,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
     }
     cutlass::arch::fence_barrier_init();
     cute::prefetch_tma_descriptor(&a.q_map);
-    if (a.p.num_pages > 0) cute::prefetch_tma_descriptor(&a.kv_map);  // (not encoded for an empty cache)
+    // (not encoded for an empty cache, nor for NVFP4, whose slots arrive by bulk copies)
+    if (a.p.num_pages > 0 && F != KvFormat::kNvfp4) cute::prefetch_tma_descriptor(&a.kv_map);
   }
   __syncthreads();
   const int wg = threadIdx.x / kWarpgroupThreads;
@@ -420,8 +432,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
       produce_items<F>(a, storage, plan, n_items);
-    } else if constexpr (kFp8) {
-      convert_items(s, storage, n_items, warp - 1);
+    } else if constexpr (kRaw) {
+      convert_items<F>(s, storage, n_items, warp - 1);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters<F>>();
