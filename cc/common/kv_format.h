@@ -24,12 +24,12 @@ enum class KvFormat : int32_t {
 //     V: 4x4 token quads   (t/4)*(4*D/16) + 4*c + t%4
 struct Nvfp4Slot {
   int head_dim;
-  MSA_HD int groups() const { return head_dim / 16; }
-  MSA_HD int data_bytes_per_token() const { return head_dim / 2; }
-  MSA_HD int64_t data_bytes() const { return int64_t(kPageSize) * (head_dim / 2); }
-  MSA_HD int64_t slot_bytes() const { return int64_t(kPageSize) * (head_dim / 2 + head_dim / 16); }
-  MSA_HD int64_t k_scale_offset(int t, int c) const { return data_bytes() + int64_t(t) * groups() + c; }
-  MSA_HD int64_t v_scale_offset(int t, int c) const {
+  MSA_HD constexpr int groups() const { return head_dim / 16; }
+  MSA_HD constexpr int data_bytes_per_token() const { return head_dim / 2; }
+  MSA_HD constexpr int64_t data_bytes() const { return int64_t(kPageSize) * (head_dim / 2); }
+  MSA_HD constexpr int64_t slot_bytes() const { return int64_t(kPageSize) * (head_dim / 2 + head_dim / 16); }
+  MSA_HD constexpr int64_t k_scale_offset(int t, int c) const { return data_bytes() + int64_t(t) * groups() + c; }
+  MSA_HD constexpr int64_t v_scale_offset(int t, int c) const {
     return data_bytes() + int64_t(t / 4) * (4 * groups()) + 4 * c + (t % 4);
   }
 };

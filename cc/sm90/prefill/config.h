@@ -70,9 +70,8 @@ constexpr int kColumnHalfBytes = kBlockKeys * 128;           // one 64-dim colum
 constexpr int kTileBytes = kTileRows * kRowBytes;            // 32 KB: Q tile, K tile, V tile alike
 // Raw bytes of one block's K (or V) as the producer loads them for the converters.
 template <KvFormat F>
-constexpr int kRawTileBytes = F == KvFormat::kNvfp4
-                                  ? kBlockKeys * (kHeadDim / 2 + kHeadDim / 16)  // the NVFP4 slot: data | scales, 9 KB
-                                  : kBlockKeys * kHeadDim;                       // FP8: 128 e4m3 rows, 16 KB
+constexpr int kRawTileBytes = F == KvFormat::kNvfp4 ? int(Nvfp4Slot{kHeadDim}.slot_bytes())  // data | scales, 9 KB
+                                                    : kBlockKeys * kHeadDim;  // FP8: 128 e4m3 rows, 16 KB
 
 
 using Element = cute::bfloat16_t;

@@ -54,10 +54,9 @@ struct RowConverter<KvFormat::kFp8> {
 template <>
 struct RowConverter<KvFormat::kNvfp4> {
   static __device__ __forceinline__ void convert(const uint8_t* raw, int kv, int row, int c, uint32_t (&o)[8]) {
-    constexpr int kDataBytes = kBlockKeys * kHeadDim / 2;
-    const uint2 in = *reinterpret_cast<const uint2*>(raw + row * (kHeadDim / 2) + c * 8);
-    const int scale_at = kv == 0 ? row * 8 + c : (row >> 2) * 32 + 4 * c + (row & 3);
-    const uint32_t sf_byte = raw[kDataBytes + scale_at];
+    constexpr Nvfp4Slot kSlot{kHeadDim};
+    const uint2 in = *reinterpret_cast<const uint2*>(raw + row * kSlot.data_bytes_per_token() + c * 8);
+    const uint32_t sf_byte = raw[int(kv == 0 ? kSlot.k_scale_offset(row, c) : kSlot.v_scale_offset(row, c))];
     // the scale as f16 times 2^6 (exact), undoing the 2^-6 of the e2m1 placement below
     const uint32_t sf_bits = sm80::decode::e4m3x2_to_f16x2(sf_byte | (sf_byte << 8));
     const __half2 sf2 = __hmul2(*reinterpret_cast<const __half2*>(&sf_bits), __floats2half2_rn(64.0f, 64.0f));
