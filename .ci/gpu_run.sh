@@ -3,8 +3,7 @@
 # scikit-build-core, cmake, ninja, pytest; no network).
 #
 #   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_off test_pipelined test_warp_mma test_sm90_fp8
-#                                     test_sm90_nvfp4 sanitize sanitize_sm90_fp8 sanitize_sm90_nvfp4 bench profile
-#                                     compare
+#                                     sanitize sanitize_sm90_fp8 bench profile compare
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
 #                                     test takes ~7, test_off + test_pipelined ~4)
 #
@@ -15,12 +14,10 @@
 #   test      pytest -m gpu, XLA command buffers as configured (default: on)
 #   test_off  pytest -m gpu with command buffers disabled: small cases and command-buffer tests (FULL=1: all)
 #   test_pipelined  the bf16 prefill tests with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
-#   test_warp_mma   the bf16 prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200 default: wgmma)
+#   test_warp_mma   the bf16 and NVFP4 prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200
+#                   default: wgmma)
 #   test_sm90_fp8   the FP8 prefill tests on the opt-in wgmma FP8 path (JAX_MSA_SM90_FP8_PREFILL=1)
 #   sanitize_sm90_fp8  memcheck over the FP8 small prefill case on that path (opt-in until it runs clean)
-#   test_sm90_nvfp4    the NVFP4 prefill tests on the opt-in wgmma NVFP4 path (JAX_MSA_SM90_NVFP4_PREFILL=1; unverified:
-#                      never run yet)
-#   sanitize_sm90_nvfp4  memcheck over the NVFP4 small prefill case on that path
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
@@ -155,27 +152,18 @@ stage_test_pipelined() {
     -k "test_gpu_prefill and (BF16 or corners or total_q)"
 }
 
-# The bf16 prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1): on an H200 the default run gives
-# those calls to the wgmma kernel.
+# The bf16 and NVFP4 prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1): on an H200 the default
+# run gives those calls to the wgmma kernel.
 stage_test_warp_mma() {
   echo "--- prefill tests, JAX_MSA_DISABLE_SM90_KERNELS=1"
   JAX_MSA_DISABLE_SM90_KERNELS=1 run_pytest "${LOG_DIR}/junit_gpu_prefill_warp_mma.xml" -m gpu \
-    -k "test_gpu_prefill and (BF16 or corners or total_q or nan_past)"
+    -k "test_gpu_prefill and (BF16 or NVFP4 or corners or total_q or nan_past)"
 }
 
 # The FP8 prefill tests on the opt-in wgmma path (converter warps; JAX_MSA_SM90_FP8_PREFILL=1).
 stage_test_sm90_fp8() {
   echo "--- prefill tests, JAX_MSA_SM90_FP8_PREFILL=1"
   JAX_MSA_SM90_FP8_PREFILL=1 run_pytest "${LOG_DIR}/junit_gpu_prefill_sm90_fp8.xml" -m gpu -k "test_gpu_prefill and FP8"
-}
-
-stage_test_sm90_nvfp4() {
-  JAX_MSA_SM90_NVFP4_PREFILL=1 \
-    run_pytest "${LOG_DIR}/junit_gpu_prefill_sm90_nvfp4.xml" -m gpu -k "test_gpu_prefill and NVFP4"
-}
-
-stage_sanitize_sm90_nvfp4() {
-  JAX_MSA_SM90_NVFP4_PREFILL=1 SANITIZE_SELECT="test_prefill_small_for_sanitizer and NVFP4" stage_sanitize
 }
 
 stage_sanitize_sm90_fp8() {
@@ -249,10 +237,10 @@ STAGES=("$@")
 (( ${#STAGES[@]} )) || STAGES=(build info test bench)
 for s in "${STAGES[@]}"; do
   case "${s}" in
-    build|info|test|test_off|test_pipelined|test_warp_mma|test_sm90_fp8|test_sm90_nvfp4|sanitize|sanitize_sm90_fp8|\
-      sanitize_sm90_nvfp4|bench|profile|compare) ;;
+    build|info|test|test_off|test_pipelined|test_warp_mma|test_sm90_fp8|sanitize|sanitize_sm90_fp8|bench|profile|\
+      compare) ;;
     *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined test_warp_mma test_sm90_fp8" \
-            "test_sm90_nvfp4 sanitize sanitize_sm90_fp8 sanitize_sm90_nvfp4 bench profile compare)" >&2
+            "sanitize sanitize_sm90_fp8 bench profile compare)" >&2
        exit 2 ;;
   esac
 done

@@ -19,7 +19,7 @@ bool fp8_prefill_enabled() {
 }
 
 bool nvfp4_prefill_enabled() {
-  static const bool on = cuda::env_flag("JAX_MSA_SM90_NVFP4_PREFILL");
+  static const bool on = !cuda::env_equals("JAX_MSA_SM90_NVFP4_PREFILL", "0");
   return on;
 }
 
@@ -29,7 +29,7 @@ bool prefill_supports(const PrefillParams& p, const char** why) {
   if (p.kv_format == KvFormat::kFp8 && !fp8_prefill_enabled())
     reason = "FP8 KV on the wgmma prefill is opt-in (JAX_MSA_SM90_FP8_PREFILL=1) until memcheck has run clean on it";
   else if (p.kv_format == KvFormat::kNvfp4 && !nvfp4_prefill_enabled())
-    reason = "NVFP4 KV on the wgmma prefill is opt-in (JAX_MSA_SM90_NVFP4_PREFILL=1): not yet run on a GPU";
+    reason = "NVFP4 KV on the wgmma prefill is switched off (JAX_MSA_SM90_NVFP4_PREFILL=0)";
   else if (p.kv_format == KvFormat::kNvfp4 && reinterpret_cast<uintptr_t>(p.kv_cache) % 16 != 0)
     reason = "the NVFP4 cache must be 16-byte aligned (bulk copies of its slots)";
   else if (p.q_is_fp8) reason = "the wgmma prefill takes bf16 queries";
