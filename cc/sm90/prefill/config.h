@@ -4,13 +4,16 @@
 // the same items the warp-MMA prefill (cc/sm80/prefill) serves; bf16, FP8 or NVFP4 KV (the last two opt-in) with bf16
 // queries and G in {8, 16} come here (prefill_supports), everything else keeps the warp-MMA kernels.
 //
-//   CTA      : persistent, one an SM (grid = min(SMs, work capacity); CTA c takes items c, c + grid, ...), three
-//              warpgroups. Warpgroup 0: warp 0 is the producer (reads the next item's queries from the plan while the
+//   CTA      : persistent, one an SM (grid = min(SMs, work capacity)); CTA c takes the contiguous range
+//              [c n / grid, (c + 1) n / grid) of the n items (ItemRange), so its consecutive items are mostly chunks
+//              of one (head, block) and a stage keeps its K / V (below). Three warpgroups. Warpgroup 0: warp 0 is the producer (reads the next item's queries from the plan while the
 //              current one loads, then TMA-loads the tile's G query rows a token and the block into a stage); for
 //              FP8 and NVFP4 warps 1-3 are converters (the block's raw K and V bytes -> the stage's bf16 tiles).
 //              Warpgroups 1 and 2 are consumers (tile rows [64 (wg - 1), +64) each: 4 tokens x 16 heads for M3).
 //   pipeline : kStages stages of [Q tile | K | V]. Q|K and V have their own full / empty barriers: a stage's Q|K is
-//              refilled as soon as the consumers' S = Q K^T is done, its V once O = P V is done.
+//              refilled as soon as the consumers' S = Q K^T is done, its V once O = P V is done. A stage whose K / V
+//              already hold the item's block (same cache page, KV head and keys in the request) keeps them: only the
+//              queries are loaded (FP8 / NVFP4: nothing is converted), and the barriers run their usual phases.
 //   MMA      : S = Q K^T by wgmma m64n64k16 (both operands in shared memory, K-major) for both 64-key halves of the
 //              block (keys nobody sees are masked); O = P V by wgmma m64n128k16 with P from registers and V MN-major
 //              (the same K-major tile viewed as dims x keys). A consumer issues the next item's S together with this
@@ -88,6 +91,15 @@ using MmaS = decltype(cute::make_tiled_mma(
     cute::SM90_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
 using MmaO = decltype(cute::make_tiled_mma(
     cute::SM90_64x128x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{}));
+
+// The work items of one CTA: a contiguous range of the plan's work list, split evenly by count over the grid (the items
+// are tiles of equal cost). Producer, converters and consumers walk the same range.
+struct ItemRange {
+  int begin, end;
+  static __device__ __forceinline__ ItemRange of_cta(int n_items) {
+    return {int(int64_t(n_items) * blockIdx.x / gridDim.x), int(int64_t(n_items) * (blockIdx.x + 1) / gridDim.x)};
+  }
+};
 
 // The tile's queries, written by the producer warp per stage, read by the consumers after the Q|K full barrier.
 struct TileMeta {

@@ -87,22 +87,38 @@ __device__ __forceinline__ ProducerItem read_item(const PrefillParams& p, const 
 // loads nothing; its barriers complete on the arrivals alone.
 template <KvFormat F>
 __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F>& storage, const PlanView& plan,
-                                              int n_items) {
+                                              ItemRange items) {
   constexpr bool kRaw = kConverted<F>;
   SharedStorage& s = shared_part(storage);
   const PrefillParams& p = a.p;
   const int lane = threadIdx.x & 31;
   const int group = p.num_q_heads / p.num_kv_heads;
   uint32_t landed_uses = 0;  // bit st: parity of the next phase of v_landed[st]
-  ProducerItem next = read_item(p, plan, blockIdx.x, lane);
+  // The block each stage's K / V tiles hold: (cache row of the page's head) << 8 | keys inside the request (the V rows
+  // past them are zeros, FP8 / NVFP4 converted with them); -1: none yet.
+  int64_t held[kStages];
+#pragma unroll
+  for (int st = 0; st < kStages; ++st) held[st] = -1;
+  ProducerItem next = read_item(p, plan, items.begin, lane);
   int k = 0;
-  for (int w = blockIdx.x; w < n_items; w += gridDim.x, ++k) {
+  for (int w = items.begin; w < items.end; ++w, ++k) {
     const ProducerItem r = next;
     const cuda::ItemView& v = r.v;
     const int st = k % kStages;
     const uint32_t phase = (k / kStages) & 1;
-    const bool load = r.visible_max > 0;
     const int kv_row = int((v.page * p.num_kv_heads + v.item.head) * kBlockKeys);
+    const int64_t block_key = (int64_t(kv_row) << 8) | v.n_keys;
+    // load: the item needs the block; load_kv: and the stage does not hold it yet. (An item nobody sees leaves the
+    // stage's tiles, and what they hold, as they are.)
+    const bool load = r.visible_max > 0;
+    bool load_kv = false;
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) {
+      if (i == st) {
+        load_kv = load && held[i] != block_key;
+        if (load) held[i] = block_key;
+      }
+    }
     SharedStorage::Stage& sg = s.stage[st];
 
     ClusterBarrier::wait(&s.qk_empty[st], phase ^ 1);  // a fresh barrier counts as free (parity 1 is complete)
@@ -120,7 +136,8 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
     __syncwarp();
     const int q_bytes = r.count * group * kRowBytes;
     if (lane == 0)  // release: the meta above is visible to whoever acquires the barrier's phase
-      ClusterTransactionBarrier::arrive_and_expect_tx(&s.qk_full[st], load ? q_bytes + (kRaw ? 0 : kTileBytes) : 0);
+      ClusterTransactionBarrier::arrive_and_expect_tx(&s.qk_full[st],
+                                                      (load ? q_bytes : 0) + (!kRaw && load_kv ? kTileBytes : 0));
     __syncwarp();
     if (load && lane < r.count) {
       const int row = r.token * p.num_q_heads + v.item.head * group;
@@ -135,10 +152,10 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
       for (int kv = 0; kv < 2; ++kv) {
         ClusterBarrier::wait(&storage.raw_empty[kv], (k & 1) ^ 1);
         if (lane == 0) {
-          storage.raw_load[kv] = load;
+          storage.raw_load[kv] = load_kv;
           storage.raw_n_keys[kv] = v.n_keys;
-          ClusterTransactionBarrier::arrive_and_expect_tx(&storage.raw_full[kv], load ? kRawTileBytes<F> : 0);
-          if (load) {
+          ClusterTransactionBarrier::arrive_and_expect_tx(&storage.raw_full[kv], load_kv ? kRawTileBytes<F> : 0);
+          if (load_kv) {
             if constexpr (F == KvFormat::kNvfp4) {
               const uint8_t* slot = static_cast<const uint8_t*>(p.kv_cache) +
                                     ((v.page * p.num_kv_heads + v.item.head) * 2 + kv) * int64_t(kRawTileBytes<F>);
@@ -152,17 +169,17 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
         __syncwarp();
       }
     } else {
-      if (load && lane < 2)  // lane j: K column half j
+      if (load_kv && lane < 2)  // lane j: K column half j
         cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, &s.qk_full[st], kEvictNormal, sg.k + lane * kColumnHalfBytes,
                                      lane * 64, kv_row);
       ClusterBarrier::wait(&s.v_empty[st], phase ^ 1);
       // A block that ends inside the page (the request's last) lands on v_landed first: its V rows past the request
       // are zeroed here, then the consumers' v_full is released.
-      const bool tail = load && v.n_keys < kBlockKeys;
+      const bool tail = load_kv && v.n_keys < kBlockKeys;
       uint64_t* landing = tail ? &s.v_landed[st] : &s.v_full[st];
-      if (lane == 0) ClusterTransactionBarrier::arrive_and_expect_tx(landing, load ? kTileBytes : 0);
+      if (lane == 0) ClusterTransactionBarrier::arrive_and_expect_tx(landing, load_kv ? kTileBytes : 0);
       __syncwarp();
-      if (load && lane < 2)  // lane j: V column half j
+      if (load_kv && lane < 2)  // lane j: V column half j
         cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, landing, kEvictNormal, sg.v + lane * kColumnHalfBytes,
                                      kHeadDim + lane * 64, kv_row);
       if (tail) {
@@ -174,7 +191,7 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
         if (lane == 0) ClusterBarrier::arrive(&s.v_full[st]);
       }
     }
-    if (w + int(gridDim.x) < n_items) next = read_item(p, plan, w + int(gridDim.x), lane);
+    if (w + 1 < items.end) next = read_item(p, plan, w + 1, lane);
   }
 }
 
@@ -335,7 +352,7 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Pla
 // O is done. FP8: k_scale goes into the softmax scale, v_scale into the normalization.
 template <KvFormat F>
 __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedStorage& s, const PlanView& plan,
-                                              int n_items, int wg) {
+                                              ItemRange items, int wg) {
   using namespace cute;
   const PrefillParams& p = a.p;
   const int consumer_tid = threadIdx.x - kWarpgroupThreads;  // 0..255 over both consumer warpgroups
@@ -361,7 +378,7 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   Tensor tOrP0 = make_tensor<Element>(PLayout{});
   Tensor tOrP1 = make_tensor<Element>(PLayout{});
 
-  int w = blockIdx.x, k = 0;
+  int w = items.begin, k = 0;
   ItemRows cur = wait_item(s, k, tok);
   issue_scores(s.stage[0], wg, mma_s, thr_s, tSrS0, tSrS1);
   while (true) {
@@ -373,8 +390,8 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
     if (lane == 0) ClusterBarrier::arrive(&s.qk_empty[st]);  // this warp no longer reads the stage's Q and K
     float m[2], l[2];
     probabilities(cur, c2, scale_log2, tSrS0, tSrS1, tOrP0, tOrP1, m, l);
-    const int w_next = w + int(gridDim.x);
-    const bool more = w_next < n_items;
+    const int w_next = w + 1;
+    const bool more = w_next < items.end;
     ItemRows next = cur;
     if (more) next = wait_item(s, k + 1, tok);  // (the producer is normally ahead: no wait)
     ClusterBarrier::wait(&s.v_full[st], (k / kStages) & 1);
@@ -402,8 +419,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
   Storage<F>& storage = shared_storage<F>(smem_raw);
   SharedStorage& s = shared_part(storage);
   const PlanView plan = PlanView::from(a.p);
-  const int n_items = plan.work_count();
-  if (int(blockIdx.x) >= n_items) return;  // uniform over the CTA
+  const ItemRange items = ItemRange::of_cta(plan.work_count());
+  if (items.begin >= items.end) return;  // uniform over the CTA
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) {
@@ -431,13 +448,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters<F>>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
-      produce_items<F>(a, storage, plan, n_items);
+      produce_items<F>(a, storage, plan, items);
     } else if constexpr (kRaw) {
-      convert_items<F>(s, storage, n_items, warp - 1);
+      convert_items<F>(s, storage, items, warp - 1);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters<F>>();
-    consume_items<F>(a, s, plan, n_items, wg - 1);
+    consume_items<F>(a, s, plan, items, wg - 1);
   }
 #else
   __trap();  // no sm_90a code in this architecture's image: fail loudly rather than leave the partials unwritten
