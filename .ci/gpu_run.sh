@@ -2,8 +2,8 @@
 # The one script run on the GPU machine (an H200: python3 3.12 with jax 0.11.2 + CUDA plugin, nanobind,
 # scikit-build-core, cmake, ninja, pytest; no network).
 #
-#   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_off test_pipelined test_warp_mma test_sm90_fp8
-#                                     sanitize sanitize_sm90_fp8 bench profile compare
+#   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_off test_pipelined test_warp_mma sanitize bench
+#                                     profile compare
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
 #                                     test takes ~7, test_off + test_pipelined ~4)
 #
@@ -14,10 +14,7 @@
 #   test      pytest -m gpu, XLA command buffers as configured (default: on)
 #   test_off  pytest -m gpu with command buffers disabled: small cases and command-buffer tests (FULL=1: all)
 #   test_pipelined  the bf16 prefill tests with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
-#   test_warp_mma   the bf16 and NVFP4 prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200
-#                   default: wgmma)
-#   test_sm90_fp8   the FP8 prefill tests on the opt-in wgmma FP8 path (JAX_MSA_SM90_FP8_PREFILL=1)
-#   sanitize_sm90_fp8  memcheck over the FP8 small prefill case on that path (opt-in until it runs clean)
+#   test_warp_mma   the prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200 default: wgmma)
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
@@ -152,22 +149,12 @@ stage_test_pipelined() {
     -k "test_gpu_prefill and (BF16 or corners or total_q)"
 }
 
-# The bf16 and NVFP4 prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1): on an H200 the default
-# run gives those calls to the wgmma kernel.
+# The prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1): on an H200 the default run gives the
+# calls with bf16 queries and G = 8 or 16 to the wgmma kernel.
 stage_test_warp_mma() {
   echo "--- prefill tests, JAX_MSA_DISABLE_SM90_KERNELS=1"
   JAX_MSA_DISABLE_SM90_KERNELS=1 run_pytest "${LOG_DIR}/junit_gpu_prefill_warp_mma.xml" -m gpu \
-    -k "test_gpu_prefill and (BF16 or NVFP4 or corners or total_q or nan_past)"
-}
-
-# The FP8 prefill tests on the opt-in wgmma path (converter warps; JAX_MSA_SM90_FP8_PREFILL=1).
-stage_test_sm90_fp8() {
-  echo "--- prefill tests, JAX_MSA_SM90_FP8_PREFILL=1"
-  JAX_MSA_SM90_FP8_PREFILL=1 run_pytest "${LOG_DIR}/junit_gpu_prefill_sm90_fp8.xml" -m gpu -k "test_gpu_prefill and FP8"
-}
-
-stage_sanitize_sm90_fp8() {
-  JAX_MSA_SM90_FP8_PREFILL=1 SANITIZE_SELECT="test_prefill_small_for_sanitizer and FP8" stage_sanitize
+    -k "test_gpu_prefill"
 }
 
 stage_sanitize() {
@@ -237,10 +224,9 @@ STAGES=("$@")
 (( ${#STAGES[@]} )) || STAGES=(build info test bench)
 for s in "${STAGES[@]}"; do
   case "${s}" in
-    build|info|test|test_off|test_pipelined|test_warp_mma|test_sm90_fp8|sanitize|sanitize_sm90_fp8|bench|profile|\
-      compare) ;;
-    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined test_warp_mma test_sm90_fp8" \
-            "sanitize sanitize_sm90_fp8 bench profile compare)" >&2
+    build|info|test|test_off|test_pipelined|test_warp_mma|sanitize|bench|profile|compare) ;;
+    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined test_warp_mma sanitize bench" \
+            "profile compare)" >&2
        exit 2 ;;
   esac
 done

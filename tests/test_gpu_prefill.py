@@ -1,8 +1,6 @@
-"""Prefill kernels vs the float64 oracle on the GPU (run on the H200: `.ci/gpu_run.sh test`). On the H200 the bf16
-and NVFP4 calls with G = 8 or 16 run the wgmma kernel (cc/sm90/prefill), the others the warp-MMA kernel
-(cc/sm80/prefill); `.ci/gpu_run.sh test_warp_mma` runs the bf16 and NVFP4 cases again with
-JAX_MSA_DISABLE_SM90_KERNELS=1, and `.ci/gpu_run.sh test_sm90_fp8` the FP8 cases on the opt-in wgmma FP8 path
-(JAX_MSA_SM90_FP8_PREFILL=1).
+"""Prefill kernels vs the float64 oracle on the GPU (run on the H200: `.ci/gpu_run.sh test`). On the H200 the calls
+with bf16 queries and G = 8 or 16 run the wgmma kernel (cc/sm90/prefill), the others the warp-MMA kernel
+(cc/sm80/prefill); `.ci/gpu_run.sh test_warp_mma` runs the prefill tests again with JAX_MSA_DISABLE_SM90_KERNELS=1.
 
 Outputs and partials are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1, set here).
 Bound: the kernel's error against the float64 oracle is at most 2x the error of a bf16 jnp implementation

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) sparse prefill, KV-block-major over the jnp plan: traits, shared-memory plan, MMA atoms, barriers.
 //
 // Work unit: one plan work item = (KV head g, request b, block blk, <= 128 / G query tokens that selected the block),
-// the same items the warp-MMA prefill (cc/sm80/prefill) serves; bf16, FP8 or NVFP4 KV (the last two opt-in) with bf16
+// the same items the warp-MMA prefill (cc/sm80/prefill) serves; bf16, FP8 or NVFP4 KV with bf16
 // queries and G in {8, 16} come here (prefill_supports), everything else keeps the warp-MMA kernels.
 //
 //   CTA      : persistent, one an SM (grid = min(SMs, work capacity)); CTA c takes the contiguous range

@@ -14,7 +14,7 @@ constexpr int kHeadDim = 128;  // (config.h's, without pulling CuTe into this ho
 }  // namespace
 
 bool fp8_prefill_enabled() {
-  static const bool on = cuda::env_flag("JAX_MSA_SM90_FP8_PREFILL");
+  static const bool on = !cuda::env_equals("JAX_MSA_SM90_FP8_PREFILL", "0");
   return on;
 }
 
@@ -27,7 +27,7 @@ bool prefill_supports(const PrefillParams& p, const char** why) {
   const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
   const char* reason = nullptr;
   if (p.kv_format == KvFormat::kFp8 && !fp8_prefill_enabled())
-    reason = "FP8 KV on the wgmma prefill is opt-in (JAX_MSA_SM90_FP8_PREFILL=1) until memcheck has run clean on it";
+    reason = "FP8 KV on the wgmma prefill is switched off (JAX_MSA_SM90_FP8_PREFILL=0)";
   else if (p.kv_format == KvFormat::kNvfp4 && !nvfp4_prefill_enabled())
     reason = "NVFP4 KV on the wgmma prefill is switched off (JAX_MSA_SM90_NVFP4_PREFILL=0)";
   else if (p.kv_format == KvFormat::kNvfp4 && reinterpret_cast<uintptr_t>(p.kv_cache) % 16 != 0)
