@@ -14,7 +14,8 @@
 #   test      pytest -m gpu, XLA command buffers as configured (default: on)
 #   test_off  pytest -m gpu with command buffers disabled: small cases and command-buffer tests (FULL=1: all)
 #   test_pipelined  the bf16 prefill tests with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
-#   test_warp_mma   the prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200 default: wgmma)
+#   test_warp_mma   the prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200 default: wgmma;
+#                   ~4 min)
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
@@ -200,7 +201,7 @@ stage_compare() {
   local decode_cases="${COMPARE_DECODE_CASES:---case 64/4,1,32768,1,BF16 --case 64/4,32,32768,1,BF16 \
 --case 64/4,256,32768,1,BF16 --case 64/4,32,32768,1,FP8 --case 64/4,256,32768,1,FP8 --case 64/4,32,32768,1,NVFP4 \
 --case 64/4,256,32768,1,NVFP4}"
-  local prefill_args="${COMPARE_PREFILL_ARGS:---tokens 32768 --heads 64/4 --fmt BF16 --fmt FP8 --repeats 5 --no-dense}"
+  local prefill_args="${COMPARE_PREFILL_ARGS:---tokens 32768 --heads 64/4 --fmt BF16 --fmt FP8 --fmt NVFP4 --repeats 5 --no-dense}"
   local which path rc=0
   for which in tree baseline; do
     path="${PYTHONPATH}"

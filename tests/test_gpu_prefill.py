@@ -165,3 +165,22 @@ def test_prefill_small_for_sanitizer(fmt):
     p = make_problem(23, q_lens=[5, 130], seq_lens=[300, 130], num_q_heads=16, num_kv_heads=1, topk=8,
                      pad_tokens=2, cache_from_kv=cache_maker(fmt))
     check(p, fmt)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_prefill_stage_reuse_for_sanitizer(fmt):
+    """More work items than SMs, runs of them chunks of one block: the sm90 kernel's CTAs walk contiguous ranges and a
+    stage keeps its K / V for the next item of the same block, which the small case above (one item a CTA) never
+    reaches. Every query picks its request's block 0, whose page the two requests share (a shared prefix: the same
+    page, head and keys, across requests); the last blocks end inside their pages (92 and 124 keys) and are every
+    later token's local block, so the tail V zeroing is reused too."""
+    p = make_problem(29, q_lens=[1500, 700], seq_lens=[1500, 1020], num_q_heads=16, num_kv_heads=1, topk=4,
+                     cache_from_kv=cache_maker(fmt))
+    topk = np.array(p.topk)
+    topk[0, :, 1] = 0
+    p.topk = jnp.asarray(topk)
+    table = np.array(p.block_table)
+    table[1, 0] = table[0, 0]
+    p.block_table = jnp.asarray(table)
+    check(p, fmt)

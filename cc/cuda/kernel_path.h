@@ -7,8 +7,9 @@
 //                             decode call they do not serve, more than 16 blocks a CTA, takes the warp-MMA decode);
 //                             otherwise the warp-MMA kernels
 //   9.0 (H100 / H200)         with a build for sm_90a: the sm90 path = the wgmma prefill (cc/sm90/prefill) where it
-//                             serves the call (bf16 KV and queries, G = 8 or 16), the warp-MMA kernels for the rest
-//                             and for the decode; JAX_MSA_DISABLE_SM90_KERNELS=1 selects the warp-MMA kernels only
+//                             serves the call (bf16 queries with bf16, FP8 or NVFP4 KV, G = 8 or 16;
+//                             JAX_MSA_SM90_FP8_PREFILL=0 / ..._NVFP4_PREFILL=0 opt out), the warp-MMA kernels for
+//                             the rest and for the decode; JAX_MSA_DISABLE_SM90_KERNELS=1 selects the warp-MMA kernels only
 //   any other >= 8.0          the warp-MMA kernels of cc/sm80 (mma.sync m16n8k16 + cp.async + ldmatrix). On sm_90
 //                             (H200) they serve the decode and the prefill calls the wgmma kernel does not.
 //

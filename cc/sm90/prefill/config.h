@@ -6,14 +6,16 @@
 //
 //   CTA      : persistent, one an SM (grid = min(SMs, work capacity)); CTA c takes the contiguous range
 //              [c n / grid, (c + 1) n / grid) of the n items (ItemRange), so its consecutive items are mostly chunks
-//              of one (head, block) and a stage keeps its K / V (below). Three warpgroups. Warpgroup 0: warp 0 is the producer (reads the next item's queries from the plan while the
-//              current one loads, then TMA-loads the tile's G query rows a token and the block into a stage); for
-//              FP8 and NVFP4 warps 1-3 are converters (the block's raw K and V bytes -> the stage's bf16 tiles).
+//              of one (head, block) and a stage keeps its K / V (below). Three warpgroups. Warpgroup 0: warp 0 is
+//              the producer (reads the next item's queries from the plan while the current one loads, then
+//              TMA-loads the tile's G query rows a token and the block into a stage); for FP8 and NVFP4 warps 1-3
+//              are converters (the block's raw K and V bytes -> the stage's bf16 tiles).
 //              Warpgroups 1 and 2 are consumers (tile rows [64 (wg - 1), +64) each: 4 tokens x 16 heads for M3).
 //   pipeline : kStages stages of [Q tile | K | V]. Q|K and V have their own full / empty barriers: a stage's Q|K is
 //              refilled as soon as the consumers' S = Q K^T is done, its V once O = P V is done. A stage whose K / V
-//              already hold the item's block (same cache page, KV head and keys in the request) keeps them: only the
-//              queries are loaded (FP8 / NVFP4: nothing is converted), and the barriers run their usual phases.
+//              already hold the item's block (its previous item, kStages items back, had the same cache page, KV
+//              head and keys in the request) keeps them: only the queries are loaded (FP8 / NVFP4: nothing is
+//              converted), and the barriers run their usual phases.
 //   MMA      : S = Q K^T by wgmma m64n64k16 (both operands in shared memory, K-major) for both 64-key halves of the
 //              block (keys nobody sees are masked); O = P V by wgmma m64n128k16 with P from registers and V MN-major
 //              (the same K-major tile viewed as dims x keys). A consumer issues the next item's S together with this
@@ -47,7 +49,8 @@ constexpr int kConsumerRows = kTileRows / kConsumerWarpgroups;  // 64: one wgmma
 constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);
 constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
 constexpr int kStages = 2;
-constexpr int kMaxTokens = 16;  // tokens of a tile: 128 / G for G in {8, 16}
+constexpr int kMaxTokens = 16;
+static_assert(kBlockKeys < 256, "the producer's stage key packs the block's keys into 8 bits");  // tokens of a tile: 128 / G for G in {8, 16}
 constexpr int kConverterWarps = 3;  // FP8 / NVFP4: warps 1-3 of the producer warpgroup
 
 // The cache formats whose blocks the converter warps turn into bf16 tiles.
@@ -108,7 +111,7 @@ struct TileMeta {
   int visible[kMaxTokens];  // keys of the block the token sees (causal; 0 when the page is invalid)
   int head;                 // KV head g
   int count;                // tokens in the tile
-  int visible_max;          // keys any token sees: 0 = nothing was loaded
+  int visible_max;          // keys any token sees: 0 = nothing loaded for this item (the stage keeps what it held)
 };
 
 struct alignas(1024) SharedStorage {
@@ -120,7 +123,8 @@ struct alignas(1024) SharedStorage {
   TileMeta meta[kStages];
   uint64_t qk_full[kStages];   // -> consumers: meta written, Q and K landed (producer arrival + TMA bytes; FP8 / NVFP4:
                                // + one arrival per converter warp once K is written)
-  uint64_t qk_empty[kStages];  // consumers -> producer (and converters): S done, Q and K free (one arrival a consumer warp)
+  uint64_t qk_empty[kStages];  // consumers -> producer (and converters): S done, Q and K free (one arrival a consumer
+                               // warp)
   uint64_t v_full[kStages];    // -> consumers: V landed (bf16: producer arrival + TMA bytes; else the converters)
   uint64_t v_empty[kStages];   // consumers -> producer (and converters): O done, V free
   uint64_t v_landed[kStages];  // bf16, a block that ends inside its page: TMA -> producer, which zeroes the V rows past
@@ -137,7 +141,8 @@ struct alignas(1024) RawStorage {
   alignas(128) uint8_t raw[2][kRawTileBytes<F>];
   uint64_t raw_full[2];   // producer arrival + TMA bytes -> converters
   uint64_t raw_empty[2];  // converters -> producer (one arrival a converter warp)
-  int raw_load[2];        // the raw buffer holds a block (0: the item loads nothing)
+  int raw_load[2];        // the raw buffer holds a block to convert (0: nobody sees the block, or the stage already
+                          // holds it)
   int raw_n_keys[2];      // keys of the buffer's block inside the request (rows past it are written as zeros; FP8 K:
                           // converted and masked)
 };

@@ -91,8 +91,9 @@ __device__ __forceinline__ void convert_rows(const uint8_t* raw, uint8_t* tile, 
 
 // Per item (k-th of this CTA, stage k % kStages): K once its raw bytes landed and the stage's Q|K is free, then V once
 // its raw bytes landed and the stage's V is free. A buffer the producer did not load (raw_load 0: nobody sees the
-// block, or the stage already holds it) converts nothing and leaves the stage's tile as it is. Each converted tile is fenced for the async proxy (the consumers'
-// wgmma), announced on the stage's full barrier, and its raw buffer handed back to the producer.
+// block, or the stage already holds it) converts nothing and leaves the stage's tile as it is. Each converted tile is
+// fenced for the async proxy (the consumers' wgmma), announced on the stage's full barrier, and its raw buffer handed
+// back to the producer.
 template <KvFormat F>
 __device__ __forceinline__ void convert_items(SharedStorage& s, RawStorage<F>& f, ItemRange items, int converter_warp) {
   using cutlass::arch::ClusterBarrier;

@@ -84,7 +84,8 @@ __device__ __forceinline__ ProducerItem read_item(const PrefillParams& p, const 
 // raw K and V bytes into the converters' buffers as each is handed back (FP8: a TMA box of the K or V byte columns;
 // NVFP4: one bulk copy of the head's K or V cache slot). The next item's plan entries (a chain of dependent
 // global loads) are read right after, while the consumers still hold the stages. An item nobody sees (invalid page)
-// loads nothing; its barriers complete on the arrivals alone.
+// loads nothing; its barriers complete on the arrivals alone. A stage that already holds the item's block (held[])
+// gets only the query rows: no K / V copies, no raw bytes for the converters.
 template <KvFormat F>
 __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F>& storage, const PlanView& plan,
                                               ItemRange items) {
