@@ -184,3 +184,19 @@ def test_prefill_stage_reuse_for_sanitizer(fmt):
     table[1, 0] = table[0, 0]
     p.block_table = jnp.asarray(table)
     check(p, fmt)
+
+
+def test_prefill_fragment_order_partials_match_natural(monkeypatch):
+    """JAX_MSA_PARTIAL_FRAGMENT_ORDER=1 (opt-in, read per call): the sm90 kernel writes its bf16 partial rows in
+    fragment order (cc/common/partial_order.h) and the combine reads them so. Same arithmetic, so the outputs and lse
+    must be bit-identical to the natural order's (each run() is a fresh jitted function)."""
+    for fmt in KVFormat:
+        p = make_problem(31, q_lens=[300, 129], seq_lens=[700, 129], num_q_heads=16, num_kv_heads=1, topk=8,
+                         cache_from_kv=cache_maker(fmt))
+        results = []
+        for order in ("0", "1"):
+            monkeypatch.setenv("JAX_MSA_PARTIAL_FRAGMENT_ORDER", order)
+            out, lse = check(p, fmt)
+            results.append((np.asarray(out, np.float32), np.asarray(lse)))
+        np.testing.assert_array_equal(results[0][0], results[1][0], err_msg=fmt.name)
+        np.testing.assert_array_equal(results[0][1], results[1][1], err_msg=fmt.name)

@@ -1,8 +1,8 @@
 """What the Hopper (sm_90a) wgmma prefill kernels of cc/sm90 (bf16, FP8 and NVFP4 KV) compile to, checked on any machine
-with nvcc (their numerics are checked on the H200 by test_gpu_prefill.py; NVFP4's not yet): warpgroup MMAs (HGMMA) for
-S = Q K^T and O = P V, TMA loads (UTMALDG; NVFP4's cache slots by bulk copies, UBLKCP), register reconfiguration, no
-spills, and none of ptxas's "wgmma serialized" diagnostics (C7520), which a wgmma under a data-dependent branch would
-bring back."""
+with nvcc (their numerics are checked on the H200 by test_gpu_prefill.py): warpgroup MMAs (HGMMA) for S = Q K^T and
+O = P V, TMA loads (UTMALDG; NVFP4's cache slots by bulk copies, UBLKCP), register reconfiguration, no spills, none of
+ptxas's "wgmma serialized" diagnostics (C7520), which a wgmma under a data-dependent branch would bring back, and the
+16-byte partial stores of the (opt-in) fragment-order instantiation."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def compiled(request, tmp_path_factory):
 def test_wgmma_prefill_sass(compiled):
     sass, _ = compiled
     kernels = set(re.findall(r"\.text\.(\S*sparse_prefill_wgmma_kernel\S*):", sass))
-    assert len(kernels) == 1, kernels
+    # two instantiations: the partials in natural column order (default) and in fragment order (opt-in)
+    assert len(kernels) == 2, kernels
     # S: 2 halves x 8 k-steps of m64n64k16; O: 2 halves x 4 k-steps of m64n128k16 (bf16 in, fp32 out)
     assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) >= 16
     assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) >= 8
@@ -32,6 +33,8 @@ def test_wgmma_prefill_sass(compiled):
         assert re.search(r"\bUBLKCP\.S\.G\b", sass), "NVFP4: the cache slots arrive by bulk copies"
     assert re.search(r"USETMAXREG\.DEALLOC", sass) and re.search(r"USETMAXREG\.TRY_ALLOC", sass)
     assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"
+    # fragment order: each thread stores a partial row's 32 values as four 16-byte stores (2 rows a thread)
+    assert len(re.findall(r"\bSTG\.E\.128\b", sass)) >= 8, "no 16-byte partial stores"
 
 
 def test_wgmma_prefill_not_serialized(compiled):

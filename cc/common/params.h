@@ -35,6 +35,8 @@ struct PrefillParams {
   void* partial_o;                  // [T, Hkv, K, G, D] normalized partial outputs: fp32 (CPU handler) or
                                     // bf16 bits (CUDA handler), partial_o_bf16 says which
   bool partial_o_bf16;
+  bool partial_fragment_order = false;  // bf16 partial rows in fragment order (common/partial_order.h), set by the
+                                        // sm90 host for its kernel and the combine (opt-in, unverified)
   float* partial_lse;               // [T, Hkv, K, G]   fp32 workspace
   // ---- sizes
   int total_q, num_q_heads, num_kv_heads, head_dim, topk;

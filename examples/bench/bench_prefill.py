@@ -10,11 +10,12 @@ Useful TFLOP/s = 4 * D * Hq * sum_t |S(t)| / time (masked keys not counted), aga
     python examples/bench/bench_prefill.py                  # 8k, 32k, 128k
     python examples/bench/bench_prefill.py --tokens 2048 --heads 16/1 --no-dense   # a small run (CPU too)
     python examples/bench/bench_prefill.py --quick --no-dense --work-order size --work-order token   # plan orders
+    python examples/bench/bench_prefill.py --tokens 32768 --heads 64/4 --no-dense \
+        --partial-order natural --partial-order fragment      # the sm90 partials' column order (opt-in, unverified)
 """
 
 import argparse
 import os
-
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +76,7 @@ def make_cache(fmt, blocks, hkv):
     return jax.jit(jax_msa.write_kv)(cache, k, v, jnp.arange(blocks * 128, dtype=jnp.int32))
 
 
-def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="size"):
+def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="size", partial_order="natural"):
     rng = np.random.default_rng(0)
     blocks = -(-n // 128)
     topk_np = make_topk(rng, n, hkv)
@@ -88,13 +89,16 @@ def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="size"):
     qpt = default_queries_per_tile(hq, hkv)
     plan_fn = jax.jit(lambda t, c, s: jax_msa.build_prefill_plan(t, c, s, max_blocks=blocks, queries_per_tile=qpt,
                                                                  work_order=work_order))
+    # read by the sm90 host code per call (a fresh jitted function, so XLA's command buffer records this order)
+    os.environ["JAX_MSA_PARTIAL_FRAGMENT_ORDER"] = "1" if partial_order == "fragment" else "0"
     attn = jax.jit(lambda q, c, t, cu, s, b, p: jax_msa.sparse_attention(
         q, c, t, cu_seqlens_q=cu, seq_lens=s, block_table=b, plan=p, impl="kernel"))
     plan = plan_fn(topk, cu, seq)
     p_med, p_lo, p_hi = median_p10_p90(plan_fn, (topk, cu, seq), repeats)
     k_med, k_lo, k_hi = median_p10_p90(attn, (q, cache, topk, cu, seq, bt, plan), repeats)
     flops = useful_flops(topk_np, n, hq)
-    label = fmt if work_order == "size" else f"{fmt}, {work_order} order"
+    label = ", ".join([fmt] + ([f"{work_order} order"] if work_order != "size" else [])
+                      + (["fragment-order partials"] if partial_order == "fragment" else []))
     row = (f"| {n // 1024}k | {hq}/{hkv} | {label} | {p_med * 1e3:.2f} ({p_lo * 1e3:.2f}-{p_hi * 1e3:.2f}) | "
            f"{k_med * 1e3:.2f} ({k_lo * 1e3:.2f}-{k_hi * 1e3:.2f}) | {flops / k_med / 1e12:.1f} | "
            f"{100 * flops / k_med / PEAK:.1f}% | {100 * p_med / k_med:.1f}% |")
@@ -124,6 +128,9 @@ def main():
     ap.add_argument("--fmt", action="append", choices=["BF16", "FP8", "NVFP4"], help="KV format(s), default BF16")
     ap.add_argument("--work-order", action="append", choices=["size", "token"],
                     help="the plan's work order(s) (build_prefill_plan(work_order=...)), default size")
+    ap.add_argument("--partial-order", action="append", choices=["natural", "fragment"],
+                    help="column order of the sm90 kernel's bf16 partials (JAX_MSA_PARTIAL_FRAGMENT_ORDER=1: opt-in, "
+                         "unverified), default natural")
     a = ap.parse_args()
     if a.pipelined:  # read by the CUDA handler at its first call
         os.environ["JAX_MSA_PREFILL_PIPELINED"] = "1"
@@ -137,7 +144,9 @@ def main():
         for hq, hkv in heads:
             for fmt in a.fmt or ["BF16"]:
                 for order in a.work_order or ["size"]:
-                    print(bench(n, hq, hkv, a.repeats, not a.no_dense and fmt == "BF16", fmt, order), flush=True)
+                    for partial_order in a.partial_order or ["natural"]:
+                        print(bench(n, hq, hkv, a.repeats, not a.no_dense and fmt == "BF16", fmt, order,
+                                    partial_order), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 // Warp-MMA (sm_80+) prefill: log-sum-exp merge of each query's per-block partials (the plan's query_edge_count of them)
-// into the bf16 output and the lse. One warp a (token, query head) row, 4 dims a lane. Empty rows: 0, -inf.
+// into the bf16 output and the lse. One warp a (token, query head) row, 4 dims a lane (positions 4 lane .. + 3 of the
+// partial rows: natural order, or fragment order when p.partial_fragment_order, common/partial_order.h). Empty rows:
+// 0, -inf.
 #include <cuda_runtime.h>
 
+#include "common/partial_order.h"
 #include "common/plan_view.h"
 #include "sm80/common/register_pack.cuh"
 #include "sm80/prefill/config.h"
@@ -11,6 +14,8 @@ namespace jax_msa::sm80::prefill {
 
 namespace {
 
+// kFragmentOrder: the partial rows are in fragment order (a separate instantiation: the default one keeps its code).
+template <bool kFragmentOrder>
 __global__ void __launch_bounds__(128) combine_partials_kernel(const PrefillParams p) {
   const PlanView plan = PlanView::from(p);
   const int64_t rows = int64_t(p.total_q) * p.num_q_heads;
@@ -50,8 +55,14 @@ __global__ void __launch_bounds__(128) combine_partials_kernel(const PrefillPara
     for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
   }
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  reinterpret_cast<uint2*>(p.out + row * kHeadDim)[lane] =
-      make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
+  if constexpr (kFragmentOrder) {  // positions 4 lane, +1 and 4 lane + 2, +3 hold two column pairs 8 apart
+    uint32_t* out_row = reinterpret_cast<uint32_t*>(p.out + row * kHeadDim);
+    out_row[partial_order::fragment_column(4 * lane) / 2] = pack_bf16x2(acc.x * inv, acc.y * inv);
+    out_row[partial_order::fragment_column(4 * lane + 2) / 2] = pack_bf16x2(acc.z * inv, acc.w * inv);
+  } else {
+    reinterpret_cast<uint2*>(p.out + row * kHeadDim)[lane] =
+        make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
+  }
   if (lane == 0) p.lse[row] = total > 0.0f ? m + logf(total) : -INFINITY;
 }
 
@@ -60,7 +71,10 @@ __global__ void __launch_bounds__(128) combine_partials_kernel(const PrefillPara
 cudaError_t launch_combine_partials(const PrefillParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.total_q) * p.num_q_heads;
   if (rows == 0) return cudaSuccess;
-  combine_partials_kernel<<<unsigned((rows + 3) / 4), 128, 0, stream>>>(p);
+  if (p.partial_fragment_order)
+    combine_partials_kernel<true><<<unsigned((rows + 3) / 4), 128, 0, stream>>>(p);
+  else
+    combine_partials_kernel<false><<<unsigned((rows + 3) / 4), 128, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

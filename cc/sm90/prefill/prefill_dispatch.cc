@@ -47,6 +47,10 @@ cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
   if (p.total_q == 0) return cudaSuccess;
   TmaPrefillArgs args{};
   args.p = p;
+  // Opt-in and unverified (never run on a GPU yet): the kernel writes its bf16 partial rows in fragment order, one
+  // 64-byte run a thread instead of 16 half-sector pieces, and the combine reads them so. Read per call, so one process
+  // can time both orders.
+  args.p.partial_fragment_order = cuda::env_equals("JAX_MSA_PARTIAL_FRAGMENT_ORDER", "1");
   const int group = p.num_q_heads / p.num_kv_heads;
   if (cudaError_t e = cuda::encode_bf16_tensor_map_2d(&args.q_map, p.q, uint64_t(p.total_q) * p.num_q_heads, kHeadDim,
                                                       kHeadDim * 2, uint32_t(group), 64);
@@ -69,7 +73,7 @@ cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
     case KvFormat::kNvfp4: launched = launch_sparse_prefill_nvfp4(args, stream); break;
   }
   if (launched != cudaSuccess) return launched;
-  return sm80::prefill::launch_combine_partials(p, stream);
+  return sm80::prefill::launch_combine_partials(args.p, stream);
 }
 
 }  // namespace jax_msa::sm90::prefill

@@ -13,6 +13,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "common/params.h"
+#include "common/partial_order.h"
 #include "common/plan_view.h"
 #include "cuda/prefill_work_item.cuh"
 #include "sm80/common/register_pack.cuh"
@@ -321,8 +322,10 @@ __device__ __forceinline__ void issue_values(const uint8_t* v_tile, MmaO& mma_o,
 }
 
 // Normalized bf16 partials (times v_scale) and lse of this thread's two rows at the plan's slots (the G rows of one
-// token are G consecutive slots). A row that saw nothing: O = 0, lse = -inf.
-template <class TO>
+// token are G consecutive slots). A row that saw nothing: O = 0, lse = -inf. Natural column order: 16 4-byte stores a
+// row (columns 8 j + c2, +1); fragment order (kFragmentOrder, the host's p.partial_fragment_order; common/partial_order.h):
+// the same 16 values as one 64-byte run at position 32 (lane % 4), four 16-byte stores.
+template <bool kFragmentOrder, class TO>
 __device__ __forceinline__ void store_partials(const PrefillParams& p, const PlanView& plan, const ItemRows& it,
                                                const int (&tok)[2], const int (&head_in_group)[2], int group, int lane,
                                                float v_scale, TO& tOrO, const float (&m)[2], float (&l)[2]) {
@@ -338,11 +341,26 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Pla
     const int64_t slot = plan.partial_index(it.query[r], it.head, it.rank[r], p.num_kv_heads) * group + head_in_group[r];
     const bool empty = !(l[r] > 0.0f);
     const float inv = empty ? 0.0f : v_scale / l[r];
-    uint16_t* dst = static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim + c2;
+    if constexpr (kFragmentOrder) {
+      static_assert(partial_order::fragment_position(2) == 32 && partial_order::fragment_position(8) == 2);
+      uint32_t packed[16];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float o0 = empty ? 0.0f : tOrO(4 * j + 2 * r) * inv, o1 = empty ? 0.0f : tOrO(4 * j + 2 * r + 1) * inv;
-      *reinterpret_cast<uint32_t*>(dst + 8 * j) = sm80::pack_bf16x2(o0, o1);
+      for (int j = 0; j < 16; ++j) {
+        const float o0 = empty ? 0.0f : tOrO(4 * j + 2 * r) * inv, o1 = empty ? 0.0f : tOrO(4 * j + 2 * r + 1) * inv;
+        packed[j] = sm80::pack_bf16x2(o0, o1);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim +
+                                            partial_order::fragment_position(c2));  // + 32 (lane % 4)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        dst[i] = make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
+    } else {
+      uint16_t* dst = static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim + c2;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float o0 = empty ? 0.0f : tOrO(4 * j + 2 * r) * inv, o1 = empty ? 0.0f : tOrO(4 * j + 2 * r + 1) * inv;
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) = sm80::pack_bf16x2(o0, o1);
+      }
     }
     if ((lane & 3) == 0) p.partial_lse[slot] = empty ? -INFINITY : (m[r] + log2f(l[r])) * sm80::kLn2;
   }
@@ -351,7 +369,7 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Pla
 // Per item: S (issued one item ahead), softmax, O = P V; the next item's S is issued with this item's O, so the tensor
 // cores compute it while this item's partials are stored. A stage's Q|K is released once its S is done, its V once its
 // O is done. FP8: k_scale goes into the softmax scale, v_scale into the normalization.
-template <KvFormat F>
+template <KvFormat F, bool kFragmentOrder>
 __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedStorage& s, const PlanView& plan,
                                               ItemRange items, int wg) {
   using namespace cute;
@@ -403,7 +421,7 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
     warpgroup_fence_operand(tOrO);
     __syncwarp();
     if (lane == 0) ClusterBarrier::arrive(&s.v_empty[st]);  // this warp no longer reads the stage's V
-    store_partials(p, plan, cur, tok, head_in_group, group, lane, v_scale, tOrO, m, l);
+    store_partials<kFragmentOrder>(p, plan, cur, tok, head_in_group, group, lane, v_scale, tOrO, m, l);
     if (!more) break;
     cur = next;
     w = w_next;
@@ -412,7 +430,9 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   warpgroup_wait<0>();
 }
 
-template <KvFormat F>
+// kFragmentOrder: the column order of the bf16 partial rows (common/partial_order.h); false is the default (natural),
+// true the opt-in, unverified fragment order, a separate instantiation so the default kernel's code stays as verified.
+template <KvFormat F, bool kFragmentOrder>
 __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const __grid_constant__ TmaPrefillArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kRaw = kConverted<F>;
@@ -455,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters<F>>();
-    consume_items<F>(a, s, plan, items, wg - 1);
+    consume_items<F, kFragmentOrder>(a, s, plan, items, wg - 1);
   }
 #else
   __trap();  // no sm_90a code in this architecture's image: fail loudly rather than leave the partials unwritten
