@@ -11,6 +11,7 @@ KV bandwidth = bytes of the selected K and V (with scales) per call / time, agai
 
     python examples/bench/bench_decode.py            # full grid
     python examples/bench/bench_decode.py --quick    # a few cases
+    python examples/bench/bench_decode.py --heads 64/4 --batch 32 --fmt FP8 --splits 3   # a forced split-K factor
 """
 
 import argparse
@@ -110,7 +111,11 @@ def main():
     ap.add_argument("--no-dense", action="store_true", help="skip the dense cuDNN comparison")
     ap.add_argument("--pool-gb", type=float, default=8.0,
                     help="size of the page pool the block tables draw from (GB; the spread of the reads)")
+    ap.add_argument("--splits", type=int,
+                    help="force the CUDA decode's split-K factor (default: jax_msa.ops.decode_num_splits' rule)")
     args = ap.parse_args()
+    if args.splits:  # sparse_decode looks the rule up at trace time
+        jax_msa.ops.decode_num_splits = lambda cfg, q_len: args.splits
     print(f"devices: {jax.devices()}  jax_msa CUDA: {jax_msa.cuda_available()} archs {jax_msa.cuda_archs()}")
     heads = [(64, 4), (16, 1)]
     batches = [1, 32, 256]

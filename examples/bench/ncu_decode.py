@@ -7,6 +7,7 @@ kernel time) as a fraction of 4.3 TB/s.
 
     python examples/bench/ncu_decode.py                       # the M3 cases of docs/BENCHMARKS.md
     python examples/bench/ncu_decode.py --case 64/4,32,32768,1,BF16
+    python examples/bench/ncu_decode.py --splits 3 --case 64/4,32,32768,1,FP8   # a forced split-K factor
 """
 
 import argparse
@@ -27,12 +28,13 @@ def selected_bytes(heads, batch, q_len, fmt):
     return batch * q_len * hkv * 16 * per_block
 
 
-def profile(case, calls, pool_gb=8.0):
+def profile(case, calls, pool_gb=8.0, splits=None):
     heads, batch, context, q_len, fmt = case.split(",")
     bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_decode.py")
     rows = kernel_durations("sparse_decode_kernel|combine_splits", 2 * calls + 8, [
         sys.executable, bench, "--heads", heads, "--batch", batch, "--context", context, "--q-len", q_len,
-        "--fmt", fmt, "--repeats", "1", "--no-dense", "--pool-gb", str(pool_gb)])
+        "--fmt", fmt, "--repeats", "1", "--no-dense", "--pool-gb", str(pool_gb),
+        *(["--splits", str(splits)] if splits else [])])
     per_call, current = [], None
     for name, ns in rows:
         if "sparse_decode_kernel" in name:
@@ -55,11 +57,12 @@ def main():
     ap.add_argument("--case", action="append", help="heads,batch,context,q_len,format")
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--pool-gb", type=float, default=8.0, help="bench_decode.py --pool-gb")
+    ap.add_argument("--splits", type=int, help="bench_decode.py --splits: force the split-K factor")
     args = ap.parse_args()
     print("| heads | B | context | q_len | format | kernel us (median) | min-max | calls | MB | TB/s | of 4.3 TB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for case in args.case or DEFAULT_CASES:
-        r = profile(case, args.calls, args.pool_gb)
+        r = profile(case, args.calls, args.pool_gb, args.splits)
         heads, batch, context, q_len, fmt = case.split(",")
         if r is None:
             print(f"| {heads} | {batch} | {int(context) // 1024}k | {q_len} | {fmt} | (no kernels profiled) |")
