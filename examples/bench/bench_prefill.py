@@ -76,7 +76,7 @@ def make_cache(fmt, blocks, hkv):
     return jax.jit(jax_msa.write_kv)(cache, k, v, jnp.arange(blocks * 128, dtype=jnp.int32))
 
 
-def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="size", partial_order="natural"):
+def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="size", partial_order=None):
     rng = np.random.default_rng(0)
     blocks = -(-n // 128)
     topk_np = make_topk(rng, n, hkv)
@@ -89,8 +89,10 @@ def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="size", partial_ord
     qpt = default_queries_per_tile(hq, hkv)
     plan_fn = jax.jit(lambda t, c, s: jax_msa.build_prefill_plan(t, c, s, max_blocks=blocks, queries_per_tile=qpt,
                                                                  work_order=work_order))
-    # read by the sm90 host code per call (a fresh jitted function, so XLA's command buffer records this order)
-    os.environ["JAX_MSA_PARTIAL_FRAGMENT_ORDER"] = "1" if partial_order == "fragment" else "0"
+    # read by the sm90 host code when the call runs: set before this fresh jitted function first runs (XLA's command
+    # buffer records the launches of that first run); without --partial-order the environment is left as it is
+    if partial_order is not None:
+        os.environ["JAX_MSA_PARTIAL_FRAGMENT_ORDER"] = "1" if partial_order == "fragment" else "0"
     attn = jax.jit(lambda q, c, t, cu, s, b, p: jax_msa.sparse_attention(
         q, c, t, cu_seqlens_q=cu, seq_lens=s, block_table=b, plan=p, impl="kernel"))
     plan = plan_fn(topk, cu, seq)
@@ -130,7 +132,7 @@ def main():
                     help="the plan's work order(s) (build_prefill_plan(work_order=...)), default size")
     ap.add_argument("--partial-order", action="append", choices=["natural", "fragment"],
                     help="column order of the sm90 kernel's bf16 partials (JAX_MSA_PARTIAL_FRAGMENT_ORDER=1: opt-in, "
-                         "unverified), default natural")
+                         "unverified; only calls the sm90 wgmma kernel serves); default: as the environment says")
     a = ap.parse_args()
     if a.pipelined:  # read by the CUDA handler at its first call
         os.environ["JAX_MSA_PREFILL_PIPELINED"] = "1"
@@ -144,7 +146,7 @@ def main():
         for hq, hkv in heads:
             for fmt in a.fmt or ["BF16"]:
                 for order in a.work_order or ["size"]:
-                    for partial_order in a.partial_order or ["natural"]:
+                    for partial_order in a.partial_order or [None]:
                         print(bench(n, hq, hkv, a.repeats, not a.no_dense and fmt == "BF16", fmt, order,
                                     partial_order), flush=True)
 

@@ -56,6 +56,8 @@ __global__ void __launch_bounds__(128) combine_partials_kernel(const PrefillPara
   }
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
   if constexpr (kFragmentOrder) {  // positions 4 lane, +1 and 4 lane + 2, +3 hold two column pairs 8 apart
+    static_assert(kHeadDim == partial_order::kRowColumns &&
+                  partial_order::fragment_column(2) == partial_order::fragment_column(0) + 8);
     uint32_t* out_row = reinterpret_cast<uint32_t*>(p.out + row * kHeadDim);
     out_row[partial_order::fragment_column(4 * lane) / 2] = pack_bf16x2(acc.x * inv, acc.y * inv);
     out_row[partial_order::fragment_column(4 * lane + 2) / 2] = pack_bf16x2(acc.z * inv, acc.w * inv);

@@ -323,8 +323,8 @@ __device__ __forceinline__ void issue_values(const uint8_t* v_tile, MmaO& mma_o,
 
 // Normalized bf16 partials (times v_scale) and lse of this thread's two rows at the plan's slots (the G rows of one
 // token are G consecutive slots). A row that saw nothing: O = 0, lse = -inf. Natural column order: 16 4-byte stores a
-// row (columns 8 j + c2, +1); fragment order (kFragmentOrder, the host's p.partial_fragment_order; common/partial_order.h):
-// the same 16 values as one 64-byte run at position 32 (lane % 4), four 16-byte stores.
+// row (columns 8 j + c2, +1; a lane quad's store covers 16 contiguous bytes); fragment order (kFragmentOrder, the host's
+// p.partial_fragment_order; common/partial_order.h): four 16-byte stores a row, a quad's store 64 contiguous bytes.
 template <bool kFragmentOrder, class TO>
 __device__ __forceinline__ void store_partials(const PrefillParams& p, const PlanView& plan, const ItemRows& it,
                                                const int (&tok)[2], const int (&head_in_group)[2], int group, int lane,
@@ -342,18 +342,20 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Pla
     const bool empty = !(l[r] > 0.0f);
     const float inv = empty ? 0.0f : v_scale / l[r];
     if constexpr (kFragmentOrder) {
-      static_assert(partial_order::fragment_position(2) == 32 && partial_order::fragment_position(8) == 2);
+      static_assert(kHeadDim == partial_order::kRowColumns && partial_order::fragment_position(2) == 8 &&
+                    partial_order::fragment_position(8) == 2 && partial_order::fragment_position(32) == 32);
       uint32_t packed[16];
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const float o0 = empty ? 0.0f : tOrO(4 * j + 2 * r) * inv, o1 = empty ? 0.0f : tOrO(4 * j + 2 * r + 1) * inv;
         packed[j] = sm80::pack_bf16x2(o0, o1);
       }
+      // j = 4 i .. 4 i + 3 of this lane at position 32 i + 8 (lane % 4): uint4 4 i past the lane's first
       uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim +
-                                            partial_order::fragment_position(c2));  // + 32 (lane % 4)
+                                            partial_order::fragment_position(c2));  // + 8 (lane % 4)
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        dst[i] = make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
+        dst[4 * i] = make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
     } else {
       uint16_t* dst = static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim + c2;
 #pragma unroll
