@@ -1,7 +1,7 @@
 // Switches of the CUDA handlers read from the environment: a variable counts as set to a value when it is exactly
 // that string. Opt-in flags are "1" (env_flag), opt-out switches of a default path "0" (env_equals); callers of those
-// read them once (a function-local static) so a call never pays for getenv. A switch meant to be flipped between calls of one process (to compare two paths in a test)
-// is read per call with env_equals.
+// read them once (a function-local static) so a call never pays for getenv. A switch meant to be flipped between
+// calls of one process (to compare two paths in a test) is read per call with env_equals.
 #pragma once
 #include <cstdlib>
 #include <cstring>

@@ -341,28 +341,25 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Pla
     const int64_t slot = plan.partial_index(it.query[r], it.head, it.rank[r], p.num_kv_heads) * group + head_in_group[r];
     const bool empty = !(l[r] > 0.0f);
     const float inv = empty ? 0.0f : v_scale / l[r];
+    // columns 8 j + c2, +1 of row r, normalized, as bf16x2
+    auto normalized_pair = [&](int j) {
+      const float o0 = empty ? 0.0f : tOrO(4 * j + 2 * r) * inv, o1 = empty ? 0.0f : tOrO(4 * j + 2 * r + 1) * inv;
+      return sm80::pack_bf16x2(o0, o1);
+    };
     if constexpr (kFragmentOrder) {
       static_assert(kHeadDim == partial_order::kRowColumns && partial_order::fragment_position(2) == 8 &&
                     partial_order::fragment_position(8) == 2 && partial_order::fragment_position(32) == 32);
-      uint32_t packed[16];
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float o0 = empty ? 0.0f : tOrO(4 * j + 2 * r) * inv, o1 = empty ? 0.0f : tOrO(4 * j + 2 * r + 1) * inv;
-        packed[j] = sm80::pack_bf16x2(o0, o1);
-      }
       // j = 4 i .. 4 i + 3 of this lane at position 32 i + 8 (lane % 4): uint4 4 i past the lane's first
       uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim +
                                             partial_order::fragment_position(c2));  // + 8 (lane % 4)
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        dst[4 * i] = make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
+        dst[4 * i] = make_uint4(normalized_pair(4 * i), normalized_pair(4 * i + 1), normalized_pair(4 * i + 2),
+                                normalized_pair(4 * i + 3));
     } else {
       uint16_t* dst = static_cast<uint16_t*>(p.partial_o) + slot * kHeadDim + c2;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float o0 = empty ? 0.0f : tOrO(4 * j + 2 * r) * inv, o1 = empty ? 0.0f : tOrO(4 * j + 2 * r + 1) * inv;
-        *reinterpret_cast<uint32_t*>(dst + 8 * j) = sm80::pack_bf16x2(o0, o1);
-      }
+      for (int j = 0; j < 16; ++j) *reinterpret_cast<uint32_t*>(dst + 8 * j) = normalized_pair(j);
     }
     if ((lane & 3) == 0) p.partial_lse[slot] = empty ? -INFINITY : (m[r] + log2f(l[r])) * sm80::kLn2;
   }
