@@ -57,19 +57,21 @@ constexpr int kConverterWarps = 3;  // FP8 / NVFP4: warps 1-3 of the producer wa
 template <KvFormat F>
 constexpr bool kConverted = F != KvFormat::kBf16;
 // Registers a thread after setmaxnreg: the producer warpgroup gives, the consumers take (S 64 + O 64 + P 32 fp32/bf16
-// registers live across the overlap); the converters need a few more. 128 * producer + 256 * consumer <= 64K.
+// registers live across the overlap); the converters need a few more. setmaxnreg moves registers inside the pool the CTA
+// was launched with (kLaunchRegisters a thread, from __launch_bounds__(kThreads, 1)), so the split must fit that pool,
+// not 64K: a consumer request beyond it never completes (setmaxnreg.inc waits forever; seen on the H200 with 48 / 232).
+constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;  // 168
 template <KvFormat F>
 constexpr int kProducerRegisters = kConverted<F> ? 56 : 40;
 template <KvFormat F>
 constexpr int kConsumerRegisters = kConverted<F> ? 224 : 232;
-static_assert(kWarpgroupThreads * (kProducerRegisters<KvFormat::kBf16> +
-                                   kConsumerWarpgroups * kConsumerRegisters<KvFormat::kBf16>) <= 65536);
-static_assert(kWarpgroupThreads * (kProducerRegisters<KvFormat::kFp8> +
-                                   kConsumerWarpgroups * kConsumerRegisters<KvFormat::kFp8>) <= 65536);
+template <KvFormat F>
+constexpr bool kRegistersFitPool = kWarpgroupThreads * (kProducerRegisters<F> + kConsumerWarpgroups *
+                                                        kConsumerRegisters<F>) <= kThreads * kLaunchRegisters;
 // (these asserts also instantiate the variable templates: nvcc 13.0 rejects one first instantiated as the template
 // argument of warpgroup_reg_alloc / _dealloc)
-static_assert(kWarpgroupThreads * (kProducerRegisters<KvFormat::kNvfp4> +
-                                   kConsumerWarpgroups * kConsumerRegisters<KvFormat::kNvfp4>) <= 65536);
+static_assert(kRegistersFitPool<KvFormat::kBf16> && kRegistersFitPool<KvFormat::kFp8> &&
+              kRegistersFitPool<KvFormat::kNvfp4>);
 
 constexpr int kRowBytes = kHeadDim * 2;                      // one bf16 row of 128 dims
 constexpr int kColumnHalfBytes = kBlockKeys * 128;           // one 64-dim column half of a 128-row tile (16 KB)
