@@ -2,7 +2,7 @@
 # The one script run on the GPU machine (an H200: python3 3.12 with jax 0.11.2 + CUDA plugin, nanobind,
 # scikit-build-core, cmake, ninja, pytest; no network).
 #
-#   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_off test_pipelined test_warp_mma test_unverified
+#   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_off test_pipelined test_warp_mma test_natural_order
 #                                     sanitize bench profile compare
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
 #                                     test takes ~7, test_off + test_pipelined ~4)
@@ -16,9 +16,8 @@
 #   test_pipelined  the bf16 prefill tests with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
 #   test_warp_mma   the prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200 default: wgmma;
 #                   ~4 min)
-#   test_unverified the GPU checks of the opt-in paths not yet run on a GPU (today: the sm90 prefill's fragment-order
-#                   partials, JAX_MSA_PARTIAL_FRAGMENT_ORDER=1): their own tests, the prefill suite and memcheck with
-#                   them on (~6 min)
+#   test_natural_order  the prefill tests with the sm90 partials in the natural column order
+#                   (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0; ~3 min)
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
@@ -161,18 +160,12 @@ stage_test_warp_mma() {
     -k "test_gpu_prefill"
 }
 
-# The opt-in paths written but not yet run on a GPU (README's environment table says which): their own tests, then the
-# prefill suite and the prefill memcheck cases with them switched on. Today: JAX_MSA_PARTIAL_FRAGMENT_ORDER=1.
-stage_test_unverified() {
-  local rc=0
-  echo "--- fragment-order partials: bit-identical to the natural order"
-  run_pytest "${LOG_DIR}/junit_gpu_fragment_order.xml" -m gpu -k fragment_order || rc=1
-  echo "--- prefill tests, JAX_MSA_PARTIAL_FRAGMENT_ORDER=1"
-  JAX_MSA_PARTIAL_FRAGMENT_ORDER=1 run_pytest "${LOG_DIR}/junit_gpu_prefill_fragment_order.xml" -m gpu \
-    -k "test_gpu_prefill and not fragment_order" || rc=1
-  echo "--- prefill memcheck, JAX_MSA_PARTIAL_FRAGMENT_ORDER=1"
-  JAX_MSA_PARTIAL_FRAGMENT_ORDER=1 SANITIZE_SELECT="prefill" stage_sanitize || rc=1
-  return "${rc}"
+# The prefill tests with the sm90 kernel's partials in the natural column order (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0; the
+# default is the fragment order, which `test` runs).
+stage_test_natural_order() {
+  echo "--- prefill tests, JAX_MSA_PARTIAL_FRAGMENT_ORDER=0"
+  JAX_MSA_PARTIAL_FRAGMENT_ORDER=0 run_pytest "${LOG_DIR}/junit_gpu_prefill_natural_order.xml" -m gpu \
+    -k "test_gpu_prefill and not fragment_order"
 }
 
 stage_sanitize() {
@@ -242,8 +235,8 @@ STAGES=("$@")
 (( ${#STAGES[@]} )) || STAGES=(build info test bench)
 for s in "${STAGES[@]}"; do
   case "${s}" in
-    build|info|test|test_off|test_pipelined|test_warp_mma|test_unverified|sanitize|bench|profile|compare) ;;
-    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined test_warp_mma test_unverified" \
+    build|info|test|test_off|test_pipelined|test_warp_mma|test_natural_order|sanitize|bench|profile|compare) ;;
+    *) echo "unknown stage '${s}' (stages: build info test test_off test_pipelined test_warp_mma test_natural_order" \
             "sanitize bench profile compare)" >&2
        exit 2 ;;
   esac

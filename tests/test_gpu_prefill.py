@@ -187,11 +187,11 @@ def test_prefill_stage_reuse_for_sanitizer(fmt):
 
 
 def test_prefill_fragment_order_partials_match_natural(monkeypatch):
-    """JAX_MSA_PARTIAL_FRAGMENT_ORDER=1 (opt-in, read when a call runs): the sm90 kernel writes its bf16 partial rows in
-    fragment order (cc/common/partial_order.h) and the combine reads them so. Same arithmetic, so the outputs and lse
-    must be bit-identical to the natural order's (each run() is a fresh jitted function, first run after the variable
-    is set). The partials themselves are workspaces, discarded: the test cannot tell the order was taken, only that
-    taking it changes nothing."""
+    """The sm90 kernel writes its bf16 partial rows in fragment order (cc/common/partial_order.h; the default) or, with
+    JAX_MSA_PARTIAL_FRAGMENT_ORDER=0 (read when a call runs), in the natural column order, and the combine reads the
+    order written. Same arithmetic, so the outputs and lse must be bit-identical in both orders (each run() is a fresh
+    jitted function, first run after the variable is set). The partials themselves are workspaces, discarded: the test
+    cannot tell the order was taken, only that taking it changes nothing."""
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus or not jax_msa.cuda_available():
         pytest.skip("needs a CUDA GPU and the CUDA build")

@@ -36,7 +36,8 @@ struct PrefillParams {
                                     // bf16 bits (CUDA handler), partial_o_bf16 says which
   bool partial_o_bf16;
   bool partial_fragment_order = false;  // bf16 partial rows in fragment order (common/partial_order.h), set by the
-                                        // sm90 host for its kernel and the combine (opt-in, unverified)
+                                        // sm90 host for its kernel and the combine (its default; the warp-MMA
+                                        // kernels write the natural order)
   float* partial_lse;               // [T, Hkv, K, G]   fp32 workspace
   // ---- sizes
   int total_q, num_q_heads, num_kv_heads, head_dim, topk;

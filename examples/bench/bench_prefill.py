@@ -11,7 +11,7 @@ Useful TFLOP/s = 4 * D * Hq * sum_t |S(t)| / time (masked keys not counted), aga
     python examples/bench/bench_prefill.py --tokens 2048 --heads 16/1 --no-dense   # a small run (CPU too)
     python examples/bench/bench_prefill.py --quick --no-dense --work-order size --work-order token   # plan orders
     python examples/bench/bench_prefill.py --tokens 32768 --heads 64/4 --no-dense \
-        --partial-order natural --partial-order fragment      # the sm90 partials' column order (opt-in, unverified)
+        --partial-order natural --partial-order fragment      # the sm90 partials' column order (default: fragment)
 """
 
 import argparse
@@ -131,8 +131,8 @@ def main():
     ap.add_argument("--work-order", action="append", choices=["size", "token"],
                     help="the plan's work order(s) (build_prefill_plan(work_order=...)), default size")
     ap.add_argument("--partial-order", action="append", choices=["natural", "fragment"],
-                    help="column order of the sm90 kernel's bf16 partials (JAX_MSA_PARTIAL_FRAGMENT_ORDER=1: opt-in, "
-                         "unverified; only calls the sm90 wgmma kernel serves); default: as the environment says")
+                    help="column order of the sm90 kernel's bf16 partials (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0: natural; "
+                         "only calls the sm90 wgmma kernel serves); default: as the environment says (fragment)")
     a = ap.parse_args()
     if a.pipelined:  # read by the CUDA handler at its first call
         os.environ["JAX_MSA_PREFILL_PIPELINED"] = "1"

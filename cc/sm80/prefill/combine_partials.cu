@@ -14,7 +14,8 @@ namespace jax_msa::sm80::prefill {
 
 namespace {
 
-// kFragmentOrder: the partial rows are in fragment order (a separate instantiation: the default one keeps its code).
+// kFragmentOrder: the partial rows are in fragment order (the sm90 kernel's default; the warp-MMA kernels write the
+// natural order).
 template <bool kFragmentOrder>
 __global__ void __launch_bounds__(128) combine_partials_kernel(const PrefillParams p) {
   const PlanView plan = PlanView::from(p);

@@ -47,10 +47,11 @@ cudaError_t sparse_prefill(const PrefillParams& p, cudaStream_t stream) {
   if (p.total_q == 0) return cudaSuccess;
   TmaPrefillArgs args{};
   args.p = p;
-  // Opt-in and unverified (never run on a GPU yet): the kernel writes its bf16 partial rows in fragment order (4
-  // 16-byte stores a row, a lane quad's covering 64 contiguous bytes, instead of 16 half-sector ones) and the combine
-  // reads them so. Read when the call runs (before XLA's command buffer records it), so one process can time both.
-  args.p.partial_fragment_order = cuda::env_equals("JAX_MSA_PARTIAL_FRAGMENT_ORDER", "1");
+  // The kernel writes its bf16 partial rows in fragment order (4 16-byte stores a row, a lane quad's covering 64
+  // contiguous bytes, instead of 16 half-sector ones) and the combine reads them so; JAX_MSA_PARTIAL_FRAGMENT_ORDER=0
+  // keeps the natural column order. Read when the call runs (before XLA's command buffer records it), so one process
+  // can time both.
+  args.p.partial_fragment_order = !cuda::env_equals("JAX_MSA_PARTIAL_FRAGMENT_ORDER", "0");
   const int group = p.num_q_heads / p.num_kv_heads;
   if (cudaError_t e = cuda::encode_bf16_tensor_map_2d(&args.q_map, p.q, uint64_t(p.total_q) * p.num_q_heads, kHeadDim,
                                                       kHeadDim * 2, uint32_t(group), 64);

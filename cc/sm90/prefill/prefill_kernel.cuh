@@ -429,8 +429,8 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   warpgroup_wait<0>();
 }
 
-// kFragmentOrder: the column order of the bf16 partial rows (common/partial_order.h); false is the default (natural),
-// true the opt-in, unverified fragment order, a separate instantiation so the default kernel's code stays as verified.
+// kFragmentOrder: the column order of the bf16 partial rows (common/partial_order.h); true is the default (fragment
+// order), false the natural order (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0).
 template <KvFormat F, bool kFragmentOrder>
 __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const __grid_constant__ TmaPrefillArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
