@@ -18,7 +18,8 @@
 #                   ~4 min)
 #   test_natural_order  the prefill tests with the sm90 partials in the natural column order
 #                   (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0; ~3 min)
-#   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases)
+#   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases; SANITIZE_SELECT=EXPR: only
+#             those matching pytest -k EXPR)
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
 #   compare   the same timings for this tree's modules and for a baseline's (prebuilt_base/_jax_msa_*.so, e.g. the

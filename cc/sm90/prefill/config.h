@@ -68,7 +68,7 @@ constexpr int kConsumerRegisters = kConverted<F> ? 224 : 232;
 template <KvFormat F>
 constexpr bool kRegistersFitPool = kWarpgroupThreads * (kProducerRegisters<F> + kConsumerWarpgroups *
                                                         kConsumerRegisters<F>) <= kThreads * kLaunchRegisters;
-// (these asserts also instantiate the variable templates: nvcc 13.0 rejects one first instantiated as the template
+// (this assert also instantiates the variable templates: nvcc 13.0 rejects one first instantiated as the template
 // argument of warpgroup_reg_alloc / _dealloc)
 static_assert(kRegistersFitPool<KvFormat::kBf16> && kRegistersFitPool<KvFormat::kFp8> &&
               kRegistersFitPool<KvFormat::kNvfp4>);
