@@ -26,7 +26,10 @@ W = Hkv * R + ceil(Hkv * E / queries_per_tile), which bounds the tile count of a
 
 Work orders (the kernels' results do not depend on it: one partial per (query, block), merged in rank order):
 ``"size"`` (default) largest tile first, ties in (head, row, tile) order; ``"token"`` by (head, the 128-token block
-of the tile's first query, row, tile), so that the tiles that re-read the same query rows run close together.
+of the tile's first query, row, tile), so that the tiles that re-read the same query rows run close together;
+``"row"`` in (head, row, tile) order as the tiles are enumerated (no sort): every tile of a (head, block), its partial
+last one included, follows the previous, which is what the sm90 kernel's stage reuse and its contiguous per-CTA
+ranges want.
 
 Everything is static in the shapes: a new batch of the same shapes reuses the compiled plan (no retrace, no host
 sync).
@@ -147,7 +150,7 @@ def default_queries_per_tile(num_q_heads: int, num_kv_heads: int) -> int:
     return max(1, 128 // max(1, num_q_heads // num_kv_heads))
 
 
-WORK_ORDERS = ("size", "token")
+WORK_ORDERS = ("size", "token", "row")
 
 
 def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries_per_tile: int = 8,
@@ -214,9 +217,11 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     count = jnp.where(w < num_work, count, 0)
     work = jnp.stack([g, r, begin, count], axis=-1)
     work = jnp.where((count > 0)[:, None], work, 0)
+    # "row": the tiles stay as enumerated, in (head, row, tile) order with the empty ones (w >= num_work) last
     if work_order == "size":
         order, _ = _stable_sort_by_key(qpt - count, qpt + 1)  # largest first, ties by (head, row, tile)
-    else:  # (head, token block of the first query, row), ties by tile; empty tiles last
+        work = work[order]
+    elif work_order == "token":  # (head, token block of the first query, row), ties by tile; empty tiles last
         token_blocks = t_total // PAGE_SIZE + 1
         first_block = edge_query[g, jnp.clip(begin, 0, edges - 1)] // PAGE_SIZE
         major = jnp.where(count > 0, g * token_blocks + first_block, hkv * token_blocks)
@@ -224,7 +229,7 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
             order, _ = _stable_sort_by_key(major * rows + r, (hkv * token_blocks + 1) * rows)
         else:
             order = jnp.lexsort((r, major)).astype(jnp.int32)
-    work = work[order]
+        work = work[order]
 
     return PrefillPlan(row_ptr=row_ptr, edge_query=edge_query, edge_rank=edge_rank,
                        query_edge_count=query_edge_count, work=work,

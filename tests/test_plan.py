@@ -3,8 +3,9 @@
 ``numpy_prefill_plan`` below is an independent oracle written from plan.py's docstring with explicit
 loops and dicts: per (KV head, token) the set of valid block ids, ranks as positions in the sorted set,
 CSR rows ``b * max_blocks + id`` listing tokens ascending, and tiles of at most ``queries_per_tile``
-consecutive edges per (head, row), largest first with ties in (head, row, tile) order (work_order "size"), or
-by (head, 128-token block of the tile's first query, row, tile) (work_order "token").
+consecutive edges per (head, row), largest first with ties in (head, row, tile) order (work_order "size"), by
+(head, 128-token block of the tile's first query, row, tile) (work_order "token"), or in (head, row, tile) order
+(work_order "row").
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def numpy_prefill_plan(topk, cu_seqlens, seq_lens, max_blocks, queries_per_tile,
     # Python's sort is stable: ties keep (head, row, tile) order
     if work_order == "size":
         tiles.sort(key=lambda tile: -tile[3])
-    else:
+    elif work_order == "token":
         tiles.sort(key=lambda tile: (tile[0], edge_query[tile[0], tile[2]] // PAGE, tile[1]))
     capacity = hkv * rows + math.ceil(hkv * edges / queries_per_tile)
     work = np.zeros((capacity, 4), np.int32)
@@ -266,6 +267,9 @@ def check_invariants(p, hkv, k, batch, max_blocks, total_q, qpt, work_order="siz
     assert np.all(counts >= 1) and np.all(counts <= qpt)
     if work_order == "size":
         assert np.all(np.diff(counts) <= 0)
+    if work_order == "row":  # (head, row, tile) order: (head, row, begin) ascending
+        g, r, begin = p["work"][:n_work, :3].T.astype(np.int64)
+        assert np.all(np.diff((g * rows + r) * (total_q * k + 1) + begin) > 0)
     cover = np.zeros((hkv, total_q * k), np.int64)
     for g, r, begin, count in p["work"][:n_work]:
         assert 0 <= g < hkv and 0 <= r < rows
@@ -295,18 +299,20 @@ def test_plan_invariants(shape):
         check_invariants(plan_numpy(plan), *shape)
 
 
+@pytest.mark.parametrize("work_order", ["token", "row"])
 @pytest.mark.parametrize("shape", SHAPES[1:4], ids=shape_id)
-def test_token_work_order_matches_oracle(shape):
-    """work_order="token": the same CSR arrays, the same tiles, ordered by (head, token block, row, tile)."""
+def test_other_work_orders_match_oracle(shape, work_order):
+    """work_order="token": the same CSR arrays, the same tiles, ordered by (head, token block, row, tile);
+    work_order="row": in (head, row, tile) order."""
     hkv, k, batch, max_blocks, total_q, qpt = shape
     for d in range(2):
         topk, cu, seq_lens = random_case(100 * SHAPES.index(shape) + d, hkv, k, batch, max_blocks, total_q)
         plan = plan_numpy(jit_build(jnp.asarray(topk), jnp.asarray(cu), jnp.asarray(seq_lens), max_blocks=max_blocks,
-                                    queries_per_tile=qpt, work_order="token"))
-        want = numpy_prefill_plan(topk, cu, seq_lens, max_blocks, qpt, work_order="token")
+                                    queries_per_tile=qpt, work_order=work_order))
+        want = numpy_prefill_plan(topk, cu, seq_lens, max_blocks, qpt, work_order=work_order)
         for f in FIELDS:
             np.testing.assert_array_equal(plan[f], want[f], err_msg=f)
-        check_invariants(plan, *shape, work_order="token")
+        check_invariants(plan, *shape, work_order=work_order)
 
 
 def test_work_order_is_checked():
@@ -412,7 +418,7 @@ def test_cpu_prefill_handler_consumes_any_tile_size():
         q, cache, topk, return_lse=True, plan=plan, impl="kernel", **a))
     results = {}
     for qpt, order in ((3, "size"), (1, "size"), (default_queries_per_tile(hq, hkv), "size"),
-                       (default_queries_per_tile(hq, hkv), "token")):
+                       (default_queries_per_tile(hq, hkv), "token"), (default_queries_per_tile(hq, hkv), "row")):
         plan = jit_build(jnp.asarray(topk), args["cu_seqlens_q"], args["seq_lens"], max_blocks=max_blocks,
                          queries_per_tile=qpt, work_order=order)
         out, lse = run(q, cache, jnp.asarray(topk), plan, **args)

@@ -9,7 +9,7 @@ Useful TFLOP/s = 4 * D * Hq * sum_t |S(t)| / time (masked keys not counted), aga
     python examples/bench/bench_prefill.py --quick          # 32k, 64/4 and 16/1
     python examples/bench/bench_prefill.py                  # 8k, 32k, 128k
     python examples/bench/bench_prefill.py --tokens 2048 --heads 16/1 --no-dense   # a small run (CPU too)
-    python examples/bench/bench_prefill.py --quick --no-dense --work-order size --work-order token   # plan orders
+    python examples/bench/bench_prefill.py --quick --no-dense --work-order size --work-order token --work-order row
     python examples/bench/bench_prefill.py --tokens 32768 --heads 64/4 --no-dense \
         --partial-order natural --partial-order fragment      # the sm90 partials' column order (default: fragment)
 """
@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--pipelined", action="store_true",
                     help="the opt-in persistent pipelined bf16 warp-MMA kernel (JAX_MSA_PREFILL_PIPELINED=1)")
     ap.add_argument("--fmt", action="append", choices=["BF16", "FP8", "NVFP4"], help="KV format(s), default BF16")
-    ap.add_argument("--work-order", action="append", choices=["size", "token"],
+    ap.add_argument("--work-order", action="append", choices=["size", "token", "row"],
                     help="the plan's work order(s) (build_prefill_plan(work_order=...)), default size")
     ap.add_argument("--partial-order", action="append", choices=["natural", "fragment"],
                     help="column order of the sm90 kernel's bf16 partials (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0: natural; "
