@@ -88,6 +88,8 @@ def numpy_prefill_plan(topk, cu_seqlens, seq_lens, max_blocks, queries_per_tile,
         tiles.sort(key=lambda tile: -tile[3])
     elif work_order == "token":
         tiles.sort(key=lambda tile: (tile[0], edge_query[tile[0], tile[2]] // PAGE, tile[1]))
+    else:
+        assert work_order == "row", work_order  # as enumerated
     capacity = hkv * rows + math.ceil(hkv * edges / queries_per_tile)
     work = np.zeros((capacity, 4), np.int32)
     for w, tile in enumerate(tiles):
@@ -305,8 +307,10 @@ def test_other_work_orders_match_oracle(shape, work_order):
     """work_order="token": the same CSR arrays, the same tiles, ordered by (head, token block, row, tile);
     work_order="row": in (head, row, tile) order."""
     hkv, k, batch, max_blocks, total_q, qpt = shape
-    for d in range(2):
+    for d in range(3):
         topk, cu, seq_lens = random_case(100 * SHAPES.index(shape) + d, hkv, k, batch, max_blocks, total_q)
+        if d == 2:
+            topk[0] = -1  # a head without a single edge: its rows make no tiles
         plan = plan_numpy(jit_build(jnp.asarray(topk), jnp.asarray(cu), jnp.asarray(seq_lens), max_blocks=max_blocks,
                                     queries_per_tile=qpt, work_order=work_order))
         want = numpy_prefill_plan(topk, cu, seq_lens, max_blocks, qpt, work_order=work_order)

@@ -27,7 +27,7 @@ struct PrefillParams {
   const int32_t* edge_query;        // [Hkv, T * K] query token of each edge, CSR order
   const int32_t* edge_rank;         // [Hkv, T * K] partial slot of each edge within its query
   const int32_t* query_edge_count;  // [Hkv, T] partials per (head, query)
-  const int32_t* work;              // [W, 4] (head, row, edge_begin, edge_count), largest first
+  const int32_t* work;              // [W, 4] (head, row, edge_begin, edge_count), in the plan's work_order
   const int32_t* num_work;          // [1] valid work items (read on device)
   // ---- outputs
   uint16_t* out;                    // [T, Hq, D] bf16 bits
