@@ -49,8 +49,8 @@ constexpr int kConsumerRows = kTileRows / kConsumerWarpgroups;  // 64: one wgmma
 constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);
 constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
 constexpr int kStages = 2;
-constexpr int kMaxTokens = 16;
-static_assert(kBlockKeys < 256, "the producer's stage key packs the block's keys into 8 bits");  // tokens of a tile: 128 / G for G in {8, 16}
+constexpr int kMaxTokens = 16;  // tokens of a tile: 128 / G for G in {8, 16}
+static_assert(kBlockKeys < 256, "the producer's stage key packs the block's keys into 8 bits");
 constexpr int kConverterWarps = 3;  // FP8 / NVFP4: warps 1-3 of the producer warpgroup
 
 // The cache formats whose blocks the converter warps turn into bf16 tiles.
