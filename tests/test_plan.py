@@ -3,9 +3,9 @@
 ``numpy_prefill_plan`` below is an independent oracle written from plan.py's docstring with explicit
 loops and dicts: per (KV head, token) the set of valid block ids, ranks as positions in the sorted set,
 CSR rows ``b * max_blocks + id`` listing tokens ascending, and tiles of at most ``queries_per_tile``
-consecutive edges per (head, row), largest first with ties in (head, row, tile) order (work_order "size"), by
-(head, 128-token block of the tile's first query, row, tile) (work_order "token"), or in (head, row, tile) order
-(work_order "row").
+consecutive edges per (head, row), in (head, row, tile) order (work_order "row", the default), largest first with
+ties in (head, row, tile) order (work_order "size"), or by (head, 128-token block of the tile's first query, row, tile)
+(work_order "token").
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def valid_block_ids(ids, seq_len, pos, max_blocks):
     return sorted({int(i) for i in ids if 0 <= i < n_blocks and PAGE * int(i) <= pos})
 
 
-def numpy_prefill_plan(topk, cu_seqlens, seq_lens, max_blocks, queries_per_tile, work_order="size"):
+def numpy_prefill_plan(topk, cu_seqlens, seq_lens, max_blocks, queries_per_tile, work_order="row"):
     topk = np.asarray(topk)
     hkv, total_q, k = topk.shape
     batch = len(seq_lens)
@@ -254,7 +254,7 @@ def test_oracle_hand_example():
 # Invariants of the builder's output alone
 # ---------------------------------------------------------------------------------------------------------
 
-def check_invariants(p, hkv, k, batch, max_blocks, total_q, qpt, work_order="size"):
+def check_invariants(p, hkv, k, batch, max_blocks, total_q, qpt, work_order="row"):
     rows = batch * max_blocks
     nnz = p["row_ptr"][:, rows]
     assert p["work"].shape == (hkv * rows + math.ceil(hkv * total_q * k / qpt), 4)
@@ -301,11 +301,11 @@ def test_plan_invariants(shape):
         check_invariants(plan_numpy(plan), *shape)
 
 
-@pytest.mark.parametrize("work_order", ["token", "row"])
+@pytest.mark.parametrize("work_order", ["size", "token"])
 @pytest.mark.parametrize("shape", SHAPES[1:4], ids=shape_id)
 def test_other_work_orders_match_oracle(shape, work_order):
-    """work_order="token": the same CSR arrays, the same tiles, ordered by (head, token block, row, tile);
-    work_order="row": in (head, row, tile) order."""
+    """The same CSR arrays and the same tiles as the default ("row": (head, row, tile) order), ordered largest first
+    with ties in (head, row, tile) order (work_order="size") or by (head, token block, row, tile) ("token")."""
     hkv, k, batch, max_blocks, total_q, qpt = shape
     for d in range(3):
         topk, cu, seq_lens = random_case(100 * SHAPES.index(shape) + d, hkv, k, batch, max_blocks, total_q)

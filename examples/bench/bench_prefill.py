@@ -76,7 +76,7 @@ def make_cache(fmt, blocks, hkv):
     return jax.jit(jax_msa.write_kv)(cache, k, v, jnp.arange(blocks * 128, dtype=jnp.int32))
 
 
-def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="size", partial_order=None):
+def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="row", partial_order=None):
     rng = np.random.default_rng(0)
     blocks = -(-n // 128)
     topk_np = make_topk(rng, n, hkv)
@@ -99,7 +99,7 @@ def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="size", partial_ord
     p_med, p_lo, p_hi = median_p10_p90(plan_fn, (topk, cu, seq), repeats)
     k_med, k_lo, k_hi = median_p10_p90(attn, (q, cache, topk, cu, seq, bt, plan), repeats)
     flops = useful_flops(topk_np, n, hq)
-    label = ", ".join([fmt] + ([f"{work_order} order"] if work_order != "size" else [])
+    label = ", ".join([fmt] + ([f"{work_order} order"] if work_order != "row" else [])
                       + (["fragment-order partials"] if partial_order == "fragment" else []))
     row = (f"| {n // 1024}k | {hq}/{hkv} | {label} | {p_med * 1e3:.2f} ({p_lo * 1e3:.2f}-{p_hi * 1e3:.2f}) | "
            f"{k_med * 1e3:.2f} ({k_lo * 1e3:.2f}-{k_hi * 1e3:.2f}) | {flops / k_med / 1e12:.1f} | "
@@ -129,7 +129,7 @@ def main():
                     help="the opt-in persistent pipelined bf16 warp-MMA kernel (JAX_MSA_PREFILL_PIPELINED=1)")
     ap.add_argument("--fmt", action="append", choices=["BF16", "FP8", "NVFP4"], help="KV format(s), default BF16")
     ap.add_argument("--work-order", action="append", choices=["size", "token", "row"],
-                    help="the plan's work order(s) (build_prefill_plan(work_order=...)), default size")
+                    help="the plan's work order(s) (build_prefill_plan(work_order=...)), default row")
     ap.add_argument("--partial-order", action="append", choices=["natural", "fragment"],
                     help="column order of the sm90 kernel's bf16 partials (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0: natural; "
                          "only calls the sm90 wgmma kernel serves); default: as the environment says (fragment)")
@@ -145,7 +145,7 @@ def main():
     for n in tokens:
         for hq, hkv in heads:
             for fmt in a.fmt or ["BF16"]:
-                for order in a.work_order or ["size"]:
+                for order in a.work_order or ["row"]:
                     for partial_order in a.partial_order or [None]:
                         print(bench(n, hq, hkv, a.repeats, not a.no_dense and fmt == "BF16", fmt, order,
                                     partial_order), flush=True)
