@@ -27,7 +27,7 @@
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
 #   compare   the same timings for this tree's modules and for a baseline's (prebuilt_base/_jax_msa_*.so, e.g. the
 #             previous commit's build), one after the other on this machine: decode kernel time (ncu_decode.py,
-#             COMPARE_DECODE_CASES) and prefill (bench_prefill.py, COMPARE_PREFILL_ARGS). Timings are only
+#             COMPARE_DECODE_CASES; "none": skip) and prefill (bench_prefill.py, COMPARE_PREFILL_ARGS). Timings are only
 #             comparable within one call on one machine, so a change is always measured against its baseline here.
 #
 # Fastest path (no device time spent compiling): build here with
@@ -235,8 +235,9 @@ stage_compare() {
     [[ "${which}" == baseline ]] && path="${base_dir}:${PYTHONPATH}"
     echo "--- ${which}" | tee -a "${LOG_DIR}/compare.txt"
     # shellcheck disable=SC2086  # the case lists are word lists on purpose
-    (cd examples/bench && PYTHONPATH="${path}" "${PY}" ncu_decode.py --calls 4 ${decode_cases} &&
-      PYTHONPATH="${path}" "${PY}" bench_prefill.py ${prefill_args}) 2>&1 | tee -a "${LOG_DIR}/compare.txt"
+    (cd examples/bench && { [[ "${decode_cases}" == none ]] || PYTHONPATH="${path}" "${PY}" ncu_decode.py --calls 4 \
+      ${decode_cases}; } && PYTHONPATH="${path}" "${PY}" bench_prefill.py ${prefill_args}) 2>&1 |
+      tee -a "${LOG_DIR}/compare.txt"
     (( PIPESTATUS[0] == 0 )) || rc=1
   done
   return "${rc}"

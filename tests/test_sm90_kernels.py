@@ -2,7 +2,8 @@
 with nvcc (their numerics are checked on the H200 by test_gpu_prefill.py): warpgroup MMAs (HGMMA) for S = Q K^T and
 O = P V, TMA loads (UTMALDG; NVFP4's cache slots by bulk copies, UBLKCP), register reconfiguration, no spills, none of
 ptxas's "wgmma serialized" diagnostics (C7520), which a wgmma under a data-dependent branch would bring back, and the
-16-byte partial stores of the fragment-order instantiation (the default)."""
+16-byte partial stores of the fragment-order instantiation (the default); and that the consumer ping-pong experiment
+(JAX_MSA_SM90_PREFILL_PINGPONG, off by default) adds its named barriers only when built."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def test_wgmma_prefill_sass(compiled):
     assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"
     # fragment order: each thread stores a partial row's 32 values as four 16-byte stores (2 rows a thread)
     assert len(re.findall(r"\bSTG\.E\.128\b", sass)) >= 8, "no 16-byte partial stores"
+    # the default build has no ping-pong: the only CTA-wide barrier is the __syncthreads after the barrier setup
+    assert set(re.findall(r"\bBAR\.(?:SYNC|ARV)\S* ([^;]+);", sass)) == {"0x0 "}, "named barriers in the default build"
 
 
 def test_wgmma_prefill_not_serialized(compiled):
@@ -52,3 +55,16 @@ def test_wgmma_prefill_not_serialized(compiled):
     # setmaxnreg: 128 x 40 + 256 x 232 (FP8, NVFP4: 128 x 56 + 256 x 224) registers come out of the 384 x 168 the kernel
     # launches with; with fewer, the consumers' allocation would wait forever
     assert re.findall(r"Used (\d+) registers", log) == ["168", "168"], log
+
+
+def test_wgmma_prefill_pingpong_build(tmp_path):
+    """JAX_MSA_SM90_PREFILL_PINGPONG=1 (CMake option, an experiment not yet run on a GPU): each consumer warpgroup syncs
+    on its turn's named barrier and arrives on the other's, both counted over the two consumer warpgroups (256
+    threads), without spills or serialized wgmmas."""
+    tools = sass_tools.tools()
+    sass, log = sass_tools.compile_unit(tools, "sm90/prefill/prefill_bf16.cu", "sm_90a", tmp_path,
+                                        defines=("JAX_MSA_SM90_KERNELS=1", "JAX_MSA_SM90_PREFILL_PINGPONG=1"))
+    assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x100", sass)) == 2, "turn waits (one a kernel)"
+    assert len(re.findall(r"BAR\.ARV R\d+, 0x100", sass)) == 2, "hand-overs (one a kernel)"
+    assert "C7520" not in log and "serialized" not in log, log
+    assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"

@@ -396,6 +396,12 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   Tensor tOrP0 = make_tensor<Element>(PLayout{});
   Tensor tOrP1 = make_tensor<Element>(PLayout{});
 
+  // Ping-pong (kConsumerPingPong): warpgroup 1 hands warpgroup 0 the first turn; each turn is one item's O and next S.
+  // Both warpgroups walk the same items, so the turns pair up; warpgroup 1 skips its last hand-over, which nobody
+  // would wait for.
+  if constexpr (kConsumerPingPong)
+    if (wg == 1) cutlass::arch::NamedBarrier::arrive(kConsumerTurnThreads, kConsumerTurn + 0);
+
   int w = items.begin, k = 0;
   ItemRows cur = wait_item(s, k, tok);
   issue_scores(s.stage[0], wg, mma_s, thr_s, tSrS0, tSrS1);
@@ -413,9 +419,13 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
     ItemRows next = cur;
     if (more) next = wait_item(s, k + 1, tok);  // (the producer is normally ahead: no wait)
     ClusterBarrier::wait(&s.v_full[st], (k / kStages) & 1);
+    if constexpr (kConsumerPingPong)  // this warpgroup's turn
+      cutlass::arch::NamedBarrier::sync(kConsumerTurnThreads, kConsumerTurn + wg);
     issue_values(s.stage[st].v, mma_o, thr_o, tOrP0, tOrP1, tOrO);
     // the next item's S (after the last item: a harmless product of the other stage, never read)
     issue_scores(s.stage[(k + 1) % kStages], wg, mma_s, thr_s, tSrS0, tSrS1);
+    if constexpr (kConsumerPingPong)  // the other warpgroup's turn
+      if (wg == 0 || more) cutlass::arch::NamedBarrier::arrive(kConsumerTurnThreads, kConsumerTurn + (1 - wg));
     warpgroup_wait<1>();  // O of the current item; the next S may still run
     warpgroup_fence_operand(tOrO);
     __syncwarp();
