@@ -5,7 +5,9 @@
 #   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_decode test_prefill test_off test_pipelined
 #                                     test_warp_mma test_natural_order sanitize bench profile compare
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
-#                                     test takes ~9 (so run test_decode, ~4, and test_prefill, ~5, in separate calls),
+#                                     test takes ~9, estimated: a 465 s run did 96 of its 118 tests; so run
+#                                     test_decode, ~4, and test_prefill, ~5, in separate calls, and the default list
+#                                     no longer fits one call),
 #                                     test_off + test_pipelined ~4, sanitize ~2)
 #
 #   build     dist/*.whl present: install that wheel into /tmp/site; otherwise build in-tree with
@@ -100,7 +102,7 @@ from jax_msa import _ffi
 print("jax", jax.__version__, "| devices", jax.devices())
 print("jax_msa", jax_msa.__file__)
 print("cuda_available", jax_msa.cuda_available(), "| cuda_archs", jax_msa.cuda_archs(),
-      "| cuda_targets", sorted(_ffi.cuda_targets()))
+      "| cuda_targets", sorted(_ffi.cuda_targets()), "| build options", _ffi.cuda_build_options())
 EOF
   local so
   so="$("${PY}" -c 'import jax_msa._jax_msa_cuda as m; print(m.__file__)')" || { echo "info: no CUDA module"; return 1; }
@@ -140,7 +142,8 @@ stage_test() {
   run_pytest "${LOG_DIR}/junit_gpu.xml" -m gpu
 }
 
-# `test` in two halves that each fit one device call (the whole suite took ~9 minutes on the H200, 2026-12-03).
+# `test` in two halves that each fit one device call (the whole suite takes ~9 minutes on the H200, estimated from a
+# cut run, 2026-12-03).
 stage_test_decode() {
   echo "--- pytest -m gpu: decode, KV write, command buffers (XLA_FLAGS='${XLA_FLAGS:-}')"
   run_pytest "${LOG_DIR}/junit_gpu_decode.xml" -m gpu -k "test_gpu_decode or test_gpu_write_kv or test_gpu_command_buffers"

@@ -112,6 +112,13 @@ def cuda_archs() -> tuple[str, ...]:
     return tuple(_cuda_module.compiled_archs())
 
 
+def cuda_build_options() -> dict:
+    """Build switches compiled into the CUDA module, e.g. {'sm90_prefill_pingpong': False}; empty without CUDA."""
+    if _cuda_module is None:
+        return {}
+    return dict(_cuda_module.build_options())
+
+
 def kernel_path(major: int, minor: int, *, sm100_enabled: bool = False, sm90_enabled: bool = True) -> str:
     """The attention kernels the CUDA handlers select on a device of compute capability major.minor (the table of
     cc/cuda/kernel_path.h): "warp_mma" (cc/sm80, sm_80 and up), "sm90" (9.0 with a build for sm_90a, unless

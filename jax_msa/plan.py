@@ -27,9 +27,10 @@ W = Hkv * R + ceil(Hkv * E / queries_per_tile), which bounds the tile count of a
 Work orders (the kernels' results do not depend on it: one partial per (query, block), merged in rank order):
 ``"row"`` (default) in (head, row, tile) order as the tiles are enumerated (no sort): every tile of a (head, block), its
 partial last one included, follows the previous, which is what the sm90 kernel's stage reuse and its contiguous
-per-CTA ranges want (on the H200 its kernels took up to 15% less time than "size" and never measurably more, docs/BENCHMARKS.md); ``"size"`` largest
-tile first, ties in (head, row, tile) order; ``"token"`` by (head, the 128-token block
-of the tile's first query, row, tile), so that the tiles that re-read the same query rows run close together.
+per-CTA ranges want (on the H200 the sm90 kernels took up to 15% less time than with "size" and never measurably more;
+the warp-MMA kernels, one CTA an item, were not timed with it; docs/BENCHMARKS.md); ``"size"`` largest tile first,
+ties in (head, row, tile) order; ``"token"`` by (head, the 128-token block of the tile's first query, row, tile), so
+that the tiles that re-read the same query rows run close together.
 
 Everything is static in the shapes: a new batch of the same shapes reuses the compiled plan (no retrace, no host
 sync).

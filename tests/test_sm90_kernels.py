@@ -57,13 +57,16 @@ def test_wgmma_prefill_not_serialized(compiled):
     assert re.findall(r"Used (\d+) registers", log) == ["168", "168"], log
 
 
-def test_wgmma_prefill_pingpong_build(tmp_path):
-    """JAX_MSA_SM90_PREFILL_PINGPONG=1 (CMake option, an experiment not yet run on a GPU): each consumer warpgroup syncs
-    on its turn's named barrier and arrives on the other's, both counted over the two consumer warpgroups (256
-    threads), without spills or serialized wgmmas."""
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_wgmma_prefill_pingpong_build(fmt, tmp_path):
+    """JAX_MSA_SM90_PREFILL_PINGPONG=1 (CMake option, an experiment not yet run on a GPU): warpgroup 1 hands warpgroup 0
+    the first turn, then each consumer warpgroup syncs on its turn's named barrier and arrives on the other's, all
+    counted over the two consumer warpgroups (256 threads; ids 8 and 9, past CUTLASS's reserved ones), without spills
+    or serialized wgmmas, in both instantiations (natural and fragment-order partials)."""
     tools = sass_tools.tools()
-    sass, log = sass_tools.compile_unit(tools, "sm90/prefill/prefill_bf16.cu", "sm_90a", tmp_path,
+    sass, log = sass_tools.compile_unit(tools, f"sm90/prefill/prefill_{fmt}.cu", "sm_90a", tmp_path,
                                         defines=("JAX_MSA_SM90_KERNELS=1", "JAX_MSA_SM90_PREFILL_PINGPONG=1"))
+    assert len(re.findall(r"BAR\.ARV 0x8, 0x100", sass)) == 2, "first hand-over (one a kernel)"
     assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x100", sass)) == 2, "turn waits (one a kernel)"
     assert len(re.findall(r"BAR\.ARV R\d+, 0x100", sass)) == 2, "hand-overs (one a kernel)"
     assert "C7520" not in log and "serialized" not in log, log

@@ -21,6 +21,9 @@
 #include "ffi/module_common.h"
 #include "sm80/decode/cluster_launch.h"
 
+#ifndef JAX_MSA_SM90_PREFILL_PINGPONG  // (CMake defines it as 1 when the build switch is on)
+#define JAX_MSA_SM90_PREFILL_PINGPONG 0
+#endif
 #ifndef JAX_MSA_CUDA_ARCHS_CSV
 #error "JAX_MSA_CUDA_ARCHS_CSV (the CMAKE_CUDA_ARCHITECTURES list, comma-separated) must be defined by CMake"
 #endif
@@ -87,6 +90,15 @@ NB_MODULE(_jax_msa_cuda, m) {
       nanobind::arg("major"), nanobind::arg("minor"), nanobind::arg("sm100_enabled"), nanobind::arg("sm90_enabled"),
       "The attention kernels the CUDA handlers pick for a device of this compute capability (cuda/kernel_path.h): "
       "'warp_mma', 'sm90', 'sm100' or 'unsupported'.");
+  m.def(
+      "build_options",
+      []() {
+        nanobind::dict d;
+        d["sm90_prefill_pingpong"] = bool(JAX_MSA_SM90_PREFILL_PINGPONG);
+        return d;
+      },
+      "Build switches compiled into this module: {'sm90_prefill_pingpong': bool} (CMake "
+      "JAX_MSA_SM90_PREFILL_PINGPONG, an unverified experiment, off by default).");
   m.def(
       "decode_merge_launches",
       []() {
