@@ -59,7 +59,7 @@ def test_wgmma_prefill_not_serialized(compiled):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_wgmma_prefill_pingpong_build(fmt, tmp_path):
-    """JAX_MSA_SM90_PREFILL_PINGPONG=1 (CMake option, an experiment not yet run on a GPU): warpgroup 1 hands warpgroup 0
+    """JAX_MSA_SM90_PREFILL_PINGPONG=1 (CMake option, an experiment, off: no gain measured on the H200): warpgroup 1 hands warpgroup 0
     the first turn, then each consumer warpgroup syncs on its turn's named barrier and arrives on the other's, all
     counted over the two consumer warpgroups (256 threads; ids 8 and 9, past CUTLASS's reserved ones), without spills
     or serialized wgmmas, in both instantiations (natural and fragment-order partials)."""

@@ -66,16 +66,17 @@ struct ChunkIO;
 template <>
 struct ChunkIO<KvFormat::kBf16> {
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
-                                              const ChunkRef& c, int key0, int lane) {
+                                              const ChunkRef& chunk, int key0, int lane) {
+    const ChunkRef c = chunk;  // once into registers (the copies' asm would have it reloaded from shared memory)
     const uint8_t* base = static_cast<const uint8_t*>(cache) +
                           ((c.page * num_kv_heads + g) * kPageSize + c.half * kChunkKeys) * int64_t(2 * kBf16RowBytes);
 #pragma unroll
     for (int i = 0; i < 2 * kKeysPerWarp * 16 / 32; ++i) {  // 512 units of 16 B per warp
       const int idx = i * 32 + lane;
       const int kv = idx >> 8, key = key0 + ((idx >> 4) & 15), unit = idx & 15;
-      const bool pred = key < c.visible;
-      const uint8_t* src = pred ? base + key * (2 * kBf16RowBytes) + kv * kBf16RowBytes + unit * 16 : base;
-      cp_async_16(stage + kv * kBf16TileBytes + swizzled_offset(key, unit), src, pred);
+      // a key past the visible ones is zero-filled: no byte is read, and its address stays inside the page anyway
+      const uint8_t* src = base + key * (2 * kBf16RowBytes) + kv * kBf16RowBytes + unit * 16;
+      cp_async_16(stage + kv * kBf16TileBytes + swizzled_offset(key, unit), src, key < c.visible);
     }
   }
 };
@@ -84,16 +85,17 @@ struct ChunkIO<KvFormat::kBf16> {
 template <>
 struct ChunkIO<KvFormat::kFp8> {
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
-                                              const ChunkRef& c, int key0, int lane) {
+                                              const ChunkRef& chunk, int key0, int lane) {
+    const ChunkRef c = chunk;  // once into registers (the copies' asm would have it reloaded from shared memory)
     const uint8_t* base = static_cast<const uint8_t*>(cache) +
                           ((c.page * num_kv_heads + g) * kPageSize + c.half * kChunkKeys) * int64_t(2 * kHeadDim);
 #pragma unroll
     for (int i = 0; i < 2 * kKeysPerWarp * 8 / 32; ++i) {  // 256 units of 16 B per warp
       const int idx = i * 32 + lane;
       const int kv = idx >> 7, key = key0 + ((idx >> 3) & 15), unit = idx & 7;
-      const bool pred = key < c.visible;
-      const uint8_t* src = pred ? base + key * (2 * kHeadDim) + kv * kHeadDim + unit * 16 : base;
-      cp_async_16(stage + raw_offset(kv, key, unit), src, pred);
+      // a key past the visible ones is zero-filled: no byte is read, and its address stays inside the page anyway
+      const uint8_t* src = base + key * (2 * kHeadDim) + kv * kHeadDim + unit * 16;
+      cp_async_16(stage + raw_offset(kv, key, unit), src, key < c.visible);
     }
   }
 
@@ -163,29 +165,29 @@ struct ChunkIO<KvFormat::kNvfp4> {
   static constexpr int kWarpScaleBytes = kKeysPerWarp * kHeadDim / 16;  // 128: contiguous for K and for V
 
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
-                                              const ChunkRef& c, int key0, int lane) {
+                                              const ChunkRef& chunk, int key0, int lane) {
+    const ChunkRef c = chunk;  // once into registers (the copies' asm would have it reloaded from shared memory)
     const Nvfp4Slot slot{kHeadDim};
-    constexpr int kDataUnits = kKeysPerWarp * kHeadDim / 2 / 16;  // 64
-    constexpr int kUnits = kDataUnits + kWarpScaleBytes / 16;      // 72 per K or V
-    for (int idx = lane; idx < 2 * kUnits; idx += 32) {
-      const int kv = idx / kUnits, u = idx % kUnits;
-      const uint8_t* slot_base = static_cast<const uint8_t*>(cache) +
-                                 (c.page * 2 * num_kv_heads + 2 * g + kv) * slot.slot_bytes();
-      uint8_t* dst = stage + kv * kHalfBytes;
-      const uint8_t* src;
-      bool pred;
-      if (u < kDataUnits) {  // data: 4 units per token
-        const int key = key0 + (u >> 2);
-        pred = key < c.visible;
-        src = slot_base + int64_t(c.half * kChunkKeys + key) * (kHeadDim / 2) + (u & 3) * 16;
-        dst += key * (kHeadDim / 2) + (u & 3) * 16;
-      } else {  // scales: K linear (t*8 + c) and V quads ((t/4)*32 + 4c + t%4) both cover [8*key0, +128)
-        pred = true;
-        const int off = key0 * (kHeadDim / 16) + (u - kDataUnits) * 16;
-        src = slot_base + slot.data_bytes() + c.half * T::kScaleBytes + off;
-        dst += T::kDataBytes + off;
-      }
-      cp_async_16(dst, pred ? src : slot_base, pred);
+    constexpr int kDataUnits = kKeysPerWarp * kHeadDim / 2 / 16;  // 64 per K or V: 4 per token
+    constexpr int kScaleUnits = kWarpScaleBytes / 16;              // 8 per K or V
+    static_assert(kDataUnits == 2 * 32 && 2 * kScaleUnits <= 32, "4 data units a lane, one scale unit on 16 lanes");
+    const uint8_t* k_slot =
+        static_cast<const uint8_t*>(cache) + (c.page * 2 * num_kv_heads + 2 * g) * slot.slot_bytes();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // data: K units 0-63, then V's
+      const int kv = i >> 1, u = (i & 1) * 32 + lane;
+      const int key = key0 + (u >> 2);
+      // a key past the visible ones is zero-filled: no byte is read, and its address stays inside the slot anyway
+      const uint8_t* src =
+          k_slot + kv * slot.slot_bytes() + (c.half * kChunkKeys + key) * (kHeadDim / 2) + (u & 3) * 16;
+      cp_async_16(stage + kv * kHalfBytes + key * (kHeadDim / 2) + (u & 3) * 16, src, key < c.visible);
+    }
+    // scales: K linear (t*8 + c) and V quads ((t/4)*32 + 4c + t%4) both cover [8*key0, +128)
+    if (lane < 2 * kScaleUnits) {
+      const int kv = lane / kScaleUnits;
+      const int off = key0 * (kHeadDim / 16) + (lane % kScaleUnits) * 16;
+      const uint8_t* src = k_slot + kv * slot.slot_bytes() + slot.data_bytes() + c.half * T::kScaleBytes + off;
+      cp_async_16(stage + kv * kHalfBytes + T::kDataBytes + off, src, true);
     }
   }
 

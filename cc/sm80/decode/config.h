@@ -9,6 +9,8 @@
 //               so their MMAs take f16 operands (kOperand; the query is scaled into f16 per row). On that path lane l
 //               owns dims [32 (l % 4), +32) of Q, K and V: the MMA's k order over dims is permuted (QK^T does not
 //               care) and the O accumulator's dims with it (undone in the epilogue)
+//   query     : staged once per CTA in shared memory (coalesced cp.async into the last pipeline stage, which the
+//               loop first fills at chunk 0); each warp reads its Q fragments from there
 //   warps     : 4; warp w owns keys [16w, 16w + 16) of every chunk and keeps its own online softmax
 //               (m, l, O); a warp also loads and dequantizes only its own rows, so the main loop has no
 //               CTA-wide barrier; the 4 warps merge through shared memory at the end
@@ -33,6 +35,7 @@ constexpr int kMaxTopk = 32;        // a top-k row is compacted by one warp ball
 constexpr int kMaxChunks = 2 * kMaxTopk;
 constexpr int kBf16RowBytes = kHeadDim * 2;              // 256 B: one key of K (or V) in bf16
 constexpr int kBf16TileBytes = kChunkKeys * kBf16RowBytes;  // 16 KB: K (or V) of a chunk in bf16
+constexpr int kQTileBytes = kRows * kHeadDim * 2;           // 4 KB: the query of (token, KV head), bf16 or FP8 rows
 
 static_assert(kKeysPerWarp == 16, "each warp takes one k16 step of keys per chunk");
 
@@ -75,6 +78,9 @@ struct SharedPlan {
   using T = FormatTraits<F>;
   static constexpr int kStagesOffset = 0;
   static constexpr int kBytes = T::kStages * T::kStageBytes;
+  // The prologue stages the query tile in the last pipeline stage, which the main loop first fills at chunk 0.
+  static constexpr int kQueryTileOffset = kStagesOffset + (T::kStages - 1) * T::kStageBytes;
+  static_assert(T::kStageBytes >= kQTileBytes && T::kStageBytes % 16 == 0, "the query tile fits the last stage");
   // The epilogue reuses the stage area for the warps' fp32 partial outputs.
   static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
   static_assert(kBytes >= kMergeBytes, "merge area must fit in the reused stages");

@@ -15,14 +15,31 @@
 
 namespace jax_msa::sm80::decode {
 
-// Two consecutive query elements (row, d..d+1) as stored: bf16x2 bits, or the two e4m3 bytes (low half) when
-// q_is_fp8; rows past the group are zero (0 in both encodings).
-__device__ __forceinline__ uint32_t load_q_pair_raw(const DecodeParams& p, int64_t row_base, int row, int group,
-                                                    int d) {
-  if (row >= group) return 0u;
-  const int64_t off = (row_base + row) * kHeadDim + d;
-  if (p.q_is_fp8) return *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(p.q) + off);
-  return *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + off);
+// The query of (token, KV head) staged in shared memory, as stored: bf16 rows of 256 B in the swizzled layout of the
+// K tiles (swizzled_offset), or FP8 rows of 128 B; rows past the group are zero (0 in both encodings). One
+// coalesced cp.async pass of the CTA replaces 32 scattered 4-byte global loads per lane and warp (kQTileBytes,
+// config.h).
+
+__device__ __forceinline__ int q_tile_offset(bool q_is_fp8, int row, int d) {
+  return q_is_fp8 ? row * kHeadDim + d : swizzled_offset(row, d >> 3) + (d & 7) * 2;
+}
+
+// Issues the query tile's loads (the caller commits them as one group): 16-byte units, zero-filled past the group.
+__device__ __forceinline__ void load_q_tile(uint8_t* q_tile, const DecodeParams& p, int64_t row_base, int group) {
+  const int units_per_row = p.q_is_fp8 ? kHeadDim / 16 : kHeadDim * 2 / 16;
+  const uint8_t* q = static_cast<const uint8_t*>(p.q) + row_base * kHeadDim * (p.q_is_fp8 ? 1 : 2);
+  for (int u = threadIdx.x; u < kRows * units_per_row; u += kThreads) {
+    const int row = u / units_per_row, unit = u % units_per_row;
+    const bool live = row < group;
+    const uint8_t* src = q + (live ? u * 16 : 0);  // rows < group of (t, g) are contiguous
+    cp_async_16(q_tile + q_tile_offset(p.q_is_fp8, row, unit * (p.q_is_fp8 ? 16 : 8)), src, live);
+  }
+}
+
+// Two consecutive query elements (row, d..d+1) from the tile: bf16x2 bits, or the two e4m3 bytes (low half).
+__device__ __forceinline__ uint32_t q_pair_raw(const uint8_t* q_tile, bool q_is_fp8, int row, int d) {
+  if (q_is_fp8) return *reinterpret_cast<const uint16_t*>(q_tile + q_tile_offset(true, row, d));
+  return *reinterpret_cast<const uint32_t*>(q_tile + q_tile_offset(false, row, d));
 }
 
 // A raw pair as two floats (exact; q_scale is folded into the softmax scale).
@@ -40,17 +57,15 @@ __device__ __forceinline__ int fragment_dim(int lane, int ks, int j) {
 }
 
 // Q as stored, in the A-operand places of 8 k-steps: rows lane/4 (registers 0, 2) and lane/4 + 8 (1, 3), dims as
-// fragment_dim places them. Only issues the loads: q_fragments_from_raw consumes them, so the loads' latency
-// overlaps whatever the thread does in between (the chunk table, the first KV loads).
+// fragment_dim places them; read from the staged query tile.
 template <bool kLaneDims>
-__device__ __forceinline__ void load_q_raw(const DecodeParams& p, int64_t row_base, int group, int lane,
-                                           uint32_t (&raw)[8][4]) {
+__device__ __forceinline__ void read_q_raw(const uint8_t* q_tile, bool q_is_fp8, int lane, uint32_t (&raw)[8][4]) {
   const int r0 = lane >> 2;
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      raw[ks][j] = load_q_pair_raw(p, row_base, r0 + 8 * (j & 1), group, fragment_dim<kLaneDims>(lane, ks, j & 2));
+      raw[ks][j] = q_pair_raw(q_tile, q_is_fp8, r0 + 8 * (j & 1), fragment_dim<kLaneDims>(lane, ks, j & 2));
   }
 }
 
@@ -109,6 +124,14 @@ __device__ __forceinline__ void q_fragments_from_raw(const uint32_t (&raw)[8][4]
   }
 }
 
+// Float offset of dims [4 u, 4 u + 4) of row `row` of warp `warp`'s partial output in the merge area ([warp][row][d]
+// fp32, rows of 512 B): the 16-byte unit index is XORed, inside its 128-byte bank line, with (2 row + line) % 8, so
+// that the fragment stores of both paths (lanes 32 dims or 8 dims apart) and the merge's row reads spread over the
+// banks instead of landing 8-32 lanes on one.
+__device__ __forceinline__ int merge_offset(int warp, int row, int u) {
+  return (warp * kRows + row) * kHeadDim + 4 * (u ^ ((2 * row + (u >> 3)) & 7));
+}
+
 template <KvFormat F>
 __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
     sparse_decode_kernel(const DecodeParams p, bool merge_in_cluster) {
@@ -128,12 +151,16 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   constexpr bool kRegisterPath = Traits::kRegisterPath;
   const int64_t q_row_base = int64_t(t) * p.num_q_heads + int64_t(g) * group;
 
-  // ---- 1. the loads that depend on nothing are issued first, so their latencies overlap: the top-k row (warp 0),
-  //         the query (every warp keeps all of it) and the request's length
+  // ---- 1. the loads that depend on nothing are issued first, so their latencies overlap: the query tile (one
+  //         cp.async group, staged in the last pipeline stage, which the loop first fills at chunk 0), the top-k row
+  //         (warp 0) and the request's length
+  uint8_t* stages = smem + Plan::kStagesOffset;
+  auto stage_ptr = [&](int c) { return stages + (c % Traits::kStages) * Traits::kStageBytes; };
+  uint8_t* q_tile = smem + Plan::kQueryTileOffset;  // = stage_ptr(kStages - 1)
+  load_q_tile(q_tile, p, q_row_base, group);
+  cute::cp_async_fence();
   const int32_t* topk_row = p.topk_ids + (int64_t(g) * tokens + t) * p.topk;
   const int id = warp == 0 && lane < p.topk ? topk_row[lane] : -1;
-  uint32_t q_raw[8][4];
-  load_q_raw<kRegisterPath>(p, q_row_base, group, lane, q_raw);
   const int seq_len = p.seq_lens[b];
   const int pos = seq_len - p.q_len + t % p.q_len;
 
@@ -171,8 +198,6 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   const int n_chunks = s_num_chunks;
 
   // ---- 3. the first stages' KV loads, issued before the query conversion waits for the query
-  uint8_t* stages = smem + Plan::kStagesOffset;
-  auto stage_ptr = [&](int c) { return stages + (c % Traits::kStages) * Traits::kStageBytes; };
   const int key0 = warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads and reads only those
                                          // rows, so the loop synchronizes with __syncwarp alone
 #pragma unroll
@@ -192,7 +217,14 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   const int r0 = lane >> 2, c2 = (lane & 3) * 2;
   uint32_t qf[8][4];
   float row_scale[2];
-  q_fragments_from_raw<kOp>(q_raw, p.q_is_fp8, qf, row_scale);
+  {
+    cute::cp_async_wait<Traits::kStages - 1>();  // the query group (the oldest) has landed, the KV stages may not
+    __syncthreads();                             // ... for every thread's units
+    uint32_t q_raw[8][4];
+    read_q_raw<kRegisterPath>(q_tile, p.q_is_fp8, lane, q_raw);
+    __syncthreads();  // every warp has read the tile before any warp's chunk 0 refills its stage
+    q_fragments_from_raw<kOp>(q_raw, p.q_is_fp8, qf, row_scale);
+  }
   row_scale[0] *= scale_log2;
   row_scale[1] *= scale_log2;
 
@@ -283,8 +315,8 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
 #pragma unroll
   for (int i = 0; i < 16; ++i) {  // n-tile i: dims i * 8 + 2 (l % 4), +1 (ldmatrix path) or 32 (l % 4) + 2 i, +1
     const int d = kRegisterPath ? 32 * (lane & 3) + 2 * i : i * 8 + c2;
-    float* w0 = merge + (warp * kRows + r0) * kHeadDim + d;
-    float* w1 = merge + (warp * kRows + r0 + 8) * kHeadDim + d;
+    float* w0 = merge + merge_offset(warp, r0, d >> 2) + (d & 3);
+    float* w1 = merge + merge_offset(warp, r0 + 8, d >> 2) + (d & 3);
     *reinterpret_cast<float2*>(w0) = make_float2(acc[i][0], acc[i][1]);
     *reinterpret_cast<float2*>(w1) = make_float2(acc[i][2], acc[i][3]);
   }
@@ -309,12 +341,20 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * kLn2;
   float o[16];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    float v = 0.0f;
+  for (int j = 0; j < 16; ++j) o[j] = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) v += wgt[w] * merge[(w * kRows + row) * kHeadDim + d0 + j];
-    o[j] = v * inv;
+  for (int w = 0; w < kWarps; ++w) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float4 x = *reinterpret_cast<const float4*>(merge + merge_offset(w, row, (d0 >> 2) + u));
+      o[4 * u] += wgt[w] * x.x;
+      o[4 * u + 1] += wgt[w] * x.y;
+      o[4 * u + 2] += wgt[w] * x.z;
+      o[4 * u + 3] += wgt[w] * x.w;
+    }
   }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) o[j] *= inv;
   const int64_t out_row = q_row_base + row;
   if (merge_in_cluster) {  // every thread takes part in the cluster's barriers
     ClusterPartial* part = reinterpret_cast<ClusterPartial*>(smem + Plan::kClusterPartialOffset);

@@ -20,8 +20,8 @@
 //              block (keys nobody sees are masked); O = P V by wgmma m64n128k16 with P from registers and V MN-major
 //              (the same K-major tile viewed as dims x keys). A consumer issues the next item's S together with this
 //              item's O, so the tensor cores work while it stores this item's partials (setmaxnreg: the consumers
-//              take the producer warpgroup's registers). Build-time experiment (kConsumerPingPong, unverified): the
-//              two consumer warpgroups take turns issuing those MMAs
+//              take the producer warpgroup's registers). Build-time experiment (kConsumerPingPong, off; no gain
+//              measured): the two consumer warpgroups take turns issuing those MMAs
 //   softmax  : over the whole block at once (both halves' S are in registers), causal mask per row (key < visible)
 //   output   : one normalized bf16 partial (and its lse) per (query, selected block) at the plan's rank slot, as the
 //              warp-MMA kernel writes them; the warp-MMA combine (sm80/prefill/combine_partials.cu) merges them.
@@ -54,10 +54,11 @@ constexpr int kMaxTokens = 16;  // tokens of a tile: 128 / G for G in {8, 16}
 static_assert(kBlockKeys < 256, "the producer's stage key packs the block's keys into 8 bits");
 constexpr int kConverterWarps = 3;  // FP8 / NVFP4: warps 1-3 of the producer warpgroup
 
-// Consumer ping-pong, a build-time experiment (CMake JAX_MSA_SM90_PREFILL_PINGPONG=ON; off by default, not yet run on a
-// GPU): consumer warpgroup i waits on named barrier kConsumerTurn + i (ids past CUTLASS's reserved ones) before it
-// issues an item's MMAs (O = P V and the next S) and, once issued, arrives on the other's, so one warpgroup's softmax
-// runs while the other's MMAs occupy the tensor cores.
+// Consumer ping-pong, a build-time experiment (CMake JAX_MSA_SM90_PREFILL_PINGPONG=ON; off by default; on the H200
+// it passed the small prefill tests and measured within 2% of the default): consumer warpgroup i waits on named
+// barrier kConsumerTurn + i (ids past CUTLASS's reserved ones) before it issues an item's MMAs (O = P V and the next
+// S) and, once issued, arrives on the other's, so one warpgroup's softmax runs while the other's MMAs occupy the
+// tensor cores.
 #ifndef JAX_MSA_SM90_PREFILL_PINGPONG
 #define JAX_MSA_SM90_PREFILL_PINGPONG 0
 #endif
