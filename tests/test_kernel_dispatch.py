@@ -57,7 +57,7 @@ def test_every_translation_unit_holds_sass_for_every_compiled_arch():
 
 def test_build_options_are_reported():
     """The CUDA module says which build switches it was compiled with (gpu_run.sh's `info` prints them), so modules
-    carried to the GPU machine can be told apart: the default build and the unverified ping-pong experiment."""
+    carried to the GPU machine can be told apart: the default build and the ping-pong experiment."""
     options = _ffi.cuda_build_options()
     assert set(options) == {"sm90_prefill_pingpong"}, options
     assert isinstance(options["sm90_prefill_pingpong"], bool)

@@ -59,10 +59,11 @@ def test_wgmma_prefill_not_serialized(compiled):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_wgmma_prefill_pingpong_build(fmt, tmp_path):
-    """JAX_MSA_SM90_PREFILL_PINGPONG=1 (CMake option, an experiment, off: no gain measured on the H200): warpgroup 1 hands warpgroup 0
-    the first turn, then each consumer warpgroup syncs on its turn's named barrier and arrives on the other's, all
-    counted over the two consumer warpgroups (256 threads; ids 8 and 9, past CUTLASS's reserved ones), without spills
-    or serialized wgmmas, in both instantiations (natural and fragment-order partials)."""
+    """JAX_MSA_SM90_PREFILL_PINGPONG=1 (CMake option, an experiment, off: within 2% of the default on the H200):
+    warpgroup 1 hands warpgroup 0 the first turn, then each consumer warpgroup syncs on its turn's named barrier and
+    arrives on the other's, all counted over the two consumer warpgroups (256 threads; ids 8 and 9, past CUTLASS's
+    reserved ones), without spills or serialized wgmmas, in both instantiations (natural and fragment-order
+    partials)."""
     tools = sass_tools.tools()
     sass, log = sass_tools.compile_unit(tools, f"sm90/prefill/prefill_{fmt}.cu", "sm_90a", tmp_path,
                                         defines=("JAX_MSA_SM90_KERNELS=1", "JAX_MSA_SM90_PREFILL_PINGPONG=1"))

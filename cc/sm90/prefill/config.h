@@ -20,8 +20,8 @@
 //              block (keys nobody sees are masked); O = P V by wgmma m64n128k16 with P from registers and V MN-major
 //              (the same K-major tile viewed as dims x keys). A consumer issues the next item's S together with this
 //              item's O, so the tensor cores work while it stores this item's partials (setmaxnreg: the consumers
-//              take the producer warpgroup's registers). Build-time experiment (kConsumerPingPong, off; no gain
-//              measured): the two consumer warpgroups take turns issuing those MMAs
+//              take the producer warpgroup's registers). Build-time experiment (kConsumerPingPong, off; within 2% of
+//              the default): the two consumer warpgroups take turns issuing those MMAs
 //   softmax  : over the whole block at once (both halves' S are in registers), causal mask per row (key < visible)
 //   output   : one normalized bf16 partial (and its lse) per (query, selected block) at the plan's rank slot, as the
 //              warp-MMA kernel writes them; the warp-MMA combine (sm80/prefill/combine_partials.cu) merges them.
