@@ -3,7 +3,8 @@
 For each case, runs bench_decode.py for that case under `ncu` (clocks left alone, caches flushed before
 every kernel, the default) and sums the durations of the decode kernel and its split combine per call.
 Reports the median over the profiled calls and the KV bandwidth (bytes of the selected K/V and scales read /
-kernel time) as a fraction of 4.3 TB/s.
+kernel time) as a fraction of 4.3 TB/s, and with q_len > 1 the same over the distinct blocks only
+(bench_decode.distinct_block_fraction).
 
     python examples/bench/ncu_decode.py                       # the M3 cases of docs/BENCHMARKS.md
     python examples/bench/ncu_decode.py --case 64/4,32,32768,1,BF16
@@ -15,6 +16,7 @@ import os
 import statistics
 import sys
 
+from bench_decode import distinct_block_fraction
 from ncu_util import kernel_durations
 
 HBM = 4.3e12
@@ -59,8 +61,9 @@ def main():
     ap.add_argument("--pool-gb", type=float, default=8.0, help="bench_decode.py --pool-gb")
     ap.add_argument("--splits", type=int, help="bench_decode.py --splits: force the split-K factor")
     args = ap.parse_args()
-    print("| heads | B | context | q_len | format | kernel us (median) | min-max | calls | MB | TB/s | of 4.3 TB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| heads | B | context | q_len | format | kernel us (median) | min-max | calls | MB | TB/s | of 4.3 TB/s "
+          "| distinct blocks, of 4.3 TB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in args.case or DEFAULT_CASES:
         r = profile(case, args.calls, args.pool_gb, args.splits)
         heads, batch, context, q_len, fmt = case.split(",")
@@ -69,8 +72,10 @@ def main():
             continue
         us, lo, hi, nbytes, n = r
         tbps = nbytes / (us * 1e-6) / 1e12
+        distinct = distinct_block_fraction(int(context), int(q_len))
         print(f"| {heads} | {batch} | {int(context) // 1024}k | {q_len} | {fmt} | {us:.1f} | {lo:.1f}-{hi:.1f} | {n} | "
-              f"{nbytes / 1e6:.2f} | {tbps:.2f} | {100 * tbps * 1e12 / HBM:.0f}% |", flush=True)
+              f"{nbytes / 1e6:.2f} | {tbps:.2f} | {100 * tbps * 1e12 / HBM:.0f}% | "
+              f"{100 * distinct * tbps * 1e12 / HBM:.0f}% |", flush=True)
 
 
 if __name__ == "__main__":
