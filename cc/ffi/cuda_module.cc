@@ -98,7 +98,7 @@ NB_MODULE(_jax_msa_cuda, m) {
         return d;
       },
       "Build switches compiled into this module: {'sm90_prefill_pingpong': bool} (CMake "
-      "JAX_MSA_SM90_PREFILL_PINGPONG, an unverified experiment, off by default).");
+      "JAX_MSA_SM90_PREFILL_PINGPONG, an experiment, off by default).");
   m.def(
       "decode_merge_launches",
       []() {

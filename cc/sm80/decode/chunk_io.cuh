@@ -28,7 +28,8 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
       *reinterpret_cast<const cute::uint128_t*>(gmem), *reinterpret_cast<cute::uint128_t*>(smem), pred);
 }
 
-// One chunk to load: keys [64 * half, 64 * half + 64) of page `page`; keys >= visible are zero-filled.
+// One chunk to load: keys [64 * half, 64 * half + 64) of page `page`; keys >= visible are zero-filled. The loaders take
+// it by value: read once into registers (the copies' asm would otherwise have it reloaded from shared memory).
 struct ChunkRef {
   int64_t page;
   int half;
@@ -66,8 +67,7 @@ struct ChunkIO;
 template <>
 struct ChunkIO<KvFormat::kBf16> {
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
-                                              const ChunkRef& chunk, int key0, int lane) {
-    const ChunkRef c = chunk;  // once into registers (the copies' asm would have it reloaded from shared memory)
+                                              ChunkRef c, int key0, int lane) {
     const uint8_t* base = static_cast<const uint8_t*>(cache) +
                           ((c.page * num_kv_heads + g) * kPageSize + c.half * kChunkKeys) * int64_t(2 * kBf16RowBytes);
 #pragma unroll
@@ -85,8 +85,7 @@ struct ChunkIO<KvFormat::kBf16> {
 template <>
 struct ChunkIO<KvFormat::kFp8> {
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
-                                              const ChunkRef& chunk, int key0, int lane) {
-    const ChunkRef c = chunk;  // once into registers (the copies' asm would have it reloaded from shared memory)
+                                              ChunkRef c, int key0, int lane) {
     const uint8_t* base = static_cast<const uint8_t*>(cache) +
                           ((c.page * num_kv_heads + g) * kPageSize + c.half * kChunkKeys) * int64_t(2 * kHeadDim);
 #pragma unroll
@@ -165,8 +164,7 @@ struct ChunkIO<KvFormat::kNvfp4> {
   static constexpr int kWarpScaleBytes = kKeysPerWarp * kHeadDim / 16;  // 128: contiguous for K and for V
 
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
-                                              const ChunkRef& chunk, int key0, int lane) {
-    const ChunkRef c = chunk;  // once into registers (the copies' asm would have it reloaded from shared memory)
+                                              ChunkRef c, int key0, int lane) {
     const Nvfp4Slot slot{kHeadDim};
     constexpr int kDataUnits = kKeysPerWarp * kHeadDim / 2 / 16;  // 64 per K or V: 4 per token
     constexpr int kScaleUnits = kWarpScaleBytes / 16;              // 8 per K or V
