@@ -43,6 +43,18 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
+// Bytes 2, 3 of `word` (e4m3) -> f16x2, byte 2 first: e4m3x2_to_f16x2(word >> 16), but the sm_89+ conversion reads
+// the register's upper half itself (F2FP ... .H1) instead of after a shift.
+__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t h;
+  asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, hi;\n\t}" : "=r"(h) : "r"(word));
+  return h;
+#else
+  return e4m3x2_to_f16x2(word >> 16);
+#endif
+}
+
 // Eight e2m1 values (4 bytes, low nibble first) -> four f16x2 in order, each value times 2^-6. The e2m1 code s.ee.m
 // placed as the e4m3 code s.0ee.m00 (exponent bias 7 instead of 1) is the value times 2^-6, normal and subnormal
 // codes alike; four byte-wise bit operations place all eight, two byte permutes interleave them, the hardware
@@ -52,9 +64,9 @@ __device__ __forceinline__ void e2m1x8_to_f16x8(uint32_t w, uint32_t (&o)[4]) {
   const uint32_t hi = ((w >> 2) & 0x1c1c1c1cu) | (w & 0x80808080u);         // high nibbles: dims 1, 3, 5, 7
   const uint32_t d0123 = __byte_perm(lo, hi, 0x5140u), d4567 = __byte_perm(lo, hi, 0x7362u);
   o[0] = e4m3x2_to_f16x2(d0123);
-  o[1] = e4m3x2_to_f16x2(d0123 >> 16);
+  o[1] = e4m3x2_hi_to_f16x2(d0123);
   o[2] = e4m3x2_to_f16x2(d4567);
-  o[3] = e4m3x2_to_f16x2(d4567 >> 16);
+  o[3] = e4m3x2_hi_to_f16x2(d4567);
 }
 
 template <KvFormat F>
@@ -116,7 +128,7 @@ struct ChunkIO<KvFormat::kFp8> {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         out[8 * h + 2 * j] = e4m3x2_to_f16x2(w[j]);
-        out[8 * h + 2 * j + 1] = e4m3x2_to_f16x2(w[j] >> 16);
+        out[8 * h + 2 * j + 1] = e4m3x2_hi_to_f16x2(w[j]);
       }
     }
   }
