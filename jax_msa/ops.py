@@ -125,7 +125,9 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
 
 
 H200_SMS = 132
-DECODE_CTAS_PER_SM = 2  # cc/sm80/decode: 128 threads, <= 96 KB shared memory per CTA
+# The split rule fills 2 CTAs an SM for every format, although FP8 and NVFP4 fit 3 (FormatTraits::kCtasPerSm,
+# cc/sm80/decode/config.h): more splits measured slower on the H200 (docs/BENCHMARKS.md, decode v6 and v7).
+DECODE_CTAS_PER_SM = 2
 
 
 def decode_num_splits(cfg, q_len: int) -> int:
