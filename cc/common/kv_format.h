@@ -28,6 +28,10 @@ struct Nvfp4Slot {
   MSA_HD constexpr int data_bytes_per_token() const { return head_dim / 2; }
   MSA_HD constexpr int64_t data_bytes() const { return int64_t(kPageSize) * (head_dim / 2); }
   MSA_HD constexpr int64_t slot_bytes() const { return int64_t(kPageSize) * (head_dim / 2 + head_dim / 16); }
+  // Byte offset in the cache of the slot of K (kv = 0) or V (kv = 1) of KV head g in page `page`: slot 2g + kv.
+  MSA_HD constexpr int64_t slot_offset(int64_t page, int num_kv_heads, int g, int kv) const {
+    return (page * 2 * num_kv_heads + 2 * g + kv) * slot_bytes();
+  }
   MSA_HD constexpr int64_t k_scale_offset(int t, int c) const { return data_bytes() + int64_t(t) * groups() + c; }
   MSA_HD constexpr int64_t v_scale_offset(int t, int c) const {
     return data_bytes() + int64_t(t / 4) * (4 * groups()) + 4 * c + (t % 4);
@@ -47,8 +51,7 @@ struct KvPageReader {
     const int D = head_dim;
     if (format == KvFormat::kNvfp4) {
       const Nvfp4Slot slot{D};
-      const uint8_t* base = static_cast<const uint8_t*>(cache) +
-                            (page * 2 * num_kv_heads + 2 * g + (is_v ? 1 : 0)) * slot.slot_bytes();
+      const uint8_t* base = static_cast<const uint8_t*>(cache) + slot.slot_offset(page, num_kv_heads, g, is_v ? 1 : 0);
       const uint8_t* data = base + int64_t(t) * slot.data_bytes_per_token();
       for (int c = 0; c < slot.groups(); ++c) {
         const float sf = e4m3_to_float(base[is_v ? slot.v_scale_offset(t, c) : slot.k_scale_offset(t, c)]);

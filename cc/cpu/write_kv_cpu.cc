@@ -22,7 +22,7 @@ void write_kv(const WriteKvParams& p) {
     if (p.kv_format == KvFormat::kNvfp4) {
       const Nvfp4Slot geo{D};
       for (int kv = 0; kv < 2; ++kv) {
-        uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + (page * 2 * Hkv + 2 * g + kv) * geo.slot_bytes();
+        uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + geo.slot_offset(page, Hkv, g, kv);
         const float global = p.scales[kv == 0 ? kKScale : kVScale];
         for (int c = 0; c < geo.groups(); ++c) {
           float x[16];

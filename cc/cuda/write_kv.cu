@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvPa
           store_words<kVec, 4>(static_cast<uint8_t*>(p.kv_cache) + byte, q);
         } else {
           const Nvfp4Slot geo{D};
-          uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + (page * 2 * Hkv + 2 * g + kv) * geo.slot_bytes();
+          uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + geo.slot_offset(page, Hkv, g, kv);
           uint8_t data[8];
           const uint8_t sf = nvfp4_quantize_group(x, scale, data);
           uint32_t q[2] = {0u, 0u};

@@ -48,8 +48,7 @@ template <>
 __device__ __forceinline__ uint4 load_kv_unit<KvFormat::kNvfp4>(const void* cache, int num_kv_heads, int64_t page, int g,
                                                                 int key, int kv, int u) {
   const Nvfp4Slot slot{kHeadDim};
-  const uint8_t* base =
-      static_cast<const uint8_t*>(cache) + (page * 2 * num_kv_heads + 2 * g + kv) * slot.slot_bytes();
+  const uint8_t* base = static_cast<const uint8_t*>(cache) + slot.slot_offset(page, num_kv_heads, g, kv);
   const uint32_t data = *reinterpret_cast<const uint32_t*>(base + int64_t(key) * slot.data_bytes_per_token() + 4 * u);
   const int group = u >> 1;  // 16-value scale group of elements 8u..8u+7
   const float sf = e4m3_to_float(base[kv == 0 ? slot.k_scale_offset(key, group) : slot.v_scale_offset(key, group)]);

@@ -181,8 +181,7 @@ struct ChunkIO<KvFormat::kNvfp4> {
     constexpr int kDataUnits = kKeysPerWarp * kHeadDim / 2 / 16;  // 64 per K or V: 4 per token
     constexpr int kScaleUnits = kWarpScaleBytes / 16;              // 8 per K or V
     static_assert(kDataUnits == 2 * 32 && 2 * kScaleUnits <= 32, "4 data units a lane, one scale unit on 16 lanes");
-    const uint8_t* k_slot =
-        static_cast<const uint8_t*>(cache) + (c.page * 2 * num_kv_heads + 2 * g) * slot.slot_bytes();
+    const uint8_t* k_slot = static_cast<const uint8_t*>(cache) + slot.slot_offset(c.page, num_kv_heads, g, 0);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // data: K units 0-63, then V's
       const int kv = i >> 1, u = (i & 1) * 32 + lane;
