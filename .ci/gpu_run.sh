@@ -29,8 +29,9 @@
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
 #   compare   the same timings for this tree's modules and for a baseline's (prebuilt_base/_jax_msa_*.so, e.g. the
 #             previous commit's build), one after the other on this machine: decode kernel time (ncu_decode.py,
-#             COMPARE_DECODE_CASES; "none": skip) and prefill (bench_prefill.py, COMPARE_PREFILL_ARGS). Timings are only
-#             comparable within one call on one machine, so a change is always measured against its baseline here.
+#             COMPARE_DECODE_CASES; "none": skip) and prefill (bench_prefill.py, COMPARE_PREFILL_ARGS; "none": skip).
+#             Timings are only comparable within one call on one machine, so a change is always measured against its
+#             baseline here.
 #
 # Fastest path (no device time spent compiling): build here with
 #   JAX_MSA_CUDA=ON BUILD_DIR=build/cuda .ci/build_inplace.sh && mkdir -p prebuilt && cp build/cuda/_jax_msa_*.so prebuilt/
@@ -239,7 +240,8 @@ stage_compare() {
     echo "--- ${which}" | tee -a "${LOG_DIR}/compare.txt"
     # shellcheck disable=SC2086  # the case lists are word lists on purpose
     (cd examples/bench && { [[ "${decode_cases}" == none ]] || PYTHONPATH="${path}" "${PY}" ncu_decode.py --calls 4 \
-      ${decode_cases}; } && PYTHONPATH="${path}" "${PY}" bench_prefill.py ${prefill_args}) 2>&1 |
+      ${decode_cases}; } && { [[ "${prefill_args}" == none ]] || PYTHONPATH="${path}" "${PY}" bench_prefill.py \
+      ${prefill_args}; }) 2>&1 |
       tee -a "${LOG_DIR}/compare.txt"
     (( PIPESTATUS[0] == 0 )) || rc=1
   done

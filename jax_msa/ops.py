@@ -125,14 +125,15 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
 
 
 H200_SMS = 132
-# The split rule fills 2 CTAs an SM for every format, although FP8 and NVFP4 fit 3 (FormatTraits::kCtasPerSm,
-# cc/sm80/decode/config.h): more splits measured slower on the H200 (docs/BENCHMARKS.md, decode v6 and v7).
+# The split rule fills 2 CTAs an SM for every format, although FP8 fits 4 and NVFP4 3 (FormatTraits::kCtasPerSm,
+# cc/sm80/decode/config.h): more splits measured slower on the H200 (docs/BENCHMARKS.md, decode v6, v7 and v8).
 DECODE_CTAS_PER_SM = 2
 
 
 def decode_num_splits(cfg, q_len: int) -> int:
-    """Split-K factor of the CUDA decode kernel: (token, KV head) pairs times splits fill one wave of CTA
-    slots on the H200 when the batch alone does not; never more splits than selected blocks."""
+    """Split-K factor of the CUDA decode kernel: when the (token, KV head) pairs alone give fewer than
+    DECODE_CTAS_PER_SM CTAs an SM of the H200, the largest factor whose CTAs stay within that; never more splits
+    than selected blocks."""
     pairs = cfg.batch * q_len * cfg.num_kv_heads
     return max(1, min(cfg.topk, (H200_SMS * DECODE_CTAS_PER_SM) // max(pairs, 1)))
 

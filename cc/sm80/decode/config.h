@@ -10,7 +10,9 @@
 //               owns dims [32 (l % 4), +32) of Q, K and V: the MMA's k order over dims is permuted (QK^T does not
 //               care) and the O accumulator's dims with it (undone in the epilogue)
 //   query     : staged once per CTA in shared memory (coalesced cp.async into the last pipeline stage, which the
-//               loop first fills at chunk 0); each warp reads its Q fragments from there
+//               loop first fills at chunk 0); each warp reads its Q fragments from there. The fragments then stay in
+//               registers, or (kQFragmentsInShared: FP8, whose 4 CTAs an SM leave 128 registers a thread) in a
+//               4 KB shared copy the loop reads at every k-step
 //   warps     : 4; warp w owns keys [16w, 16w + 16) of every chunk and keeps its own online softmax
 //               (m, l, O); a warp also loads and dequantizes only its own rows, so the main loop has no
 //               CTA-wide barrier; the 4 warps merge through shared memory at the end
@@ -42,21 +44,27 @@ static_assert(kKeysPerWarp == 16, "each warp takes one k16 step of keys per chun
 template <KvFormat F>
 struct FormatTraits;
 
+// kCtasPerSm sets the register budget (__launch_bounds__) and, with kStages, the shared-memory plan. FP8 at 4 CTAs
+// an SM (3 stages, Q fragments in shared memory) against 3 (4 stages, Q in registers), H200 64/4 32k, kernel us:
+// B=32 q_len 4 81.1 -> 67.7, B=128 94.8 -> 71.2, B=256 144.4 -> 137.2, B=32 28.2 -> 27.6 (docs/BENCHMARKS.md v8).
+// NVFP4 at 4 CTAs an SM (5 stages) was 3% slower at B=32 (v7); bf16's 32 KB stages fit 2.
 template <>
 struct FormatTraits<KvFormat::kBf16> {
   static constexpr int kStages = 3;
   static constexpr int kStageBytes = 2 * kBf16TileBytes;  // K | V, swizzled bf16 (read by ldmatrix)
   static constexpr bool kRegisterPath = false;
   static constexpr int kCtasPerSm = 2;
+  static constexpr bool kQFragmentsInShared = false;
   static constexpr MmaOperand kOperand = MmaOperand::kBf16;
 };
 
 template <>
 struct FormatTraits<KvFormat::kFp8> {
-  static constexpr int kStages = 4;
+  static constexpr int kStages = 3;
   static constexpr int kStageBytes = 2 * kChunkKeys * kHeadDim;  // K | V, raw e4m3 rows of 128 B (units swizzled)
   static constexpr bool kRegisterPath = true;
-  static constexpr int kCtasPerSm = 3;
+  static constexpr int kCtasPerSm = 4;
+  static constexpr bool kQFragmentsInShared = true;  // 128 registers a thread: the 32 of Q would spill
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
 };
 
@@ -69,25 +77,31 @@ struct FormatTraits<KvFormat::kNvfp4> {
   static constexpr int kStageBytes = 2 * (kDataBytes + kScaleBytes);
   static constexpr bool kRegisterPath = true;
   static constexpr int kCtasPerSm = 3;
+  static constexpr bool kQFragmentsInShared = false;
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
 };
 
-// Shared-memory plan: [stages] dynamic; the chunk table and the merge statistics are static arrays
+// Shared-memory plan: [stages | Q fragments (kQFragmentsInShared)] dynamic; the chunk table and the merge
+// statistics are static arrays
 template <KvFormat F>
 struct SharedPlan {
   using T = FormatTraits<F>;
   static constexpr int kStagesOffset = 0;
-  static constexpr int kBytes = T::kStages * T::kStageBytes;
+  static constexpr int kStageAreaBytes = T::kStages * T::kStageBytes;
+  // 8 k-steps x 32 lanes x 16 B (4 registers of the A operand): the warps' common Q fragments
+  static constexpr int kQFragmentOffset = kStagesOffset + kStageAreaBytes;
+  static constexpr int kQFragmentBytes = T::kQFragmentsInShared ? 8 * 32 * 16 : 0;
+  static constexpr int kBytes = kQFragmentOffset + kQFragmentBytes;
   // The prologue stages the query tile in the last pipeline stage, which the main loop first fills at chunk 0.
   static constexpr int kQueryTileOffset = kStagesOffset + (T::kStages - 1) * T::kStageBytes;
   static_assert(T::kStageBytes >= kQTileBytes && T::kStageBytes % 16 == 0, "the query tile fits the last stage");
   // The epilogue reuses the stage area for the warps' fp32 partial outputs.
   static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
-  static_assert(kBytes >= kMergeBytes, "merge area must fit in the reused stages");
+  static_assert(kStageAreaBytes >= kMergeBytes, "merge area must fit in the reused stages");
   // The cluster merge (cluster_merge.cuh) stages the CTA's partial after the merge area: 16 x 128 fp32 + 16 lse.
   static constexpr int kClusterPartialOffset = kMergeBytes;
   static constexpr int kClusterPartialBytes = kRows * kHeadDim * 4 + kRows * 4;
-  static_assert(kClusterPartialOffset + kClusterPartialBytes <= kBytes, "the cluster partial fits the stages");
+  static_assert(kClusterPartialOffset + kClusterPartialBytes <= kStageAreaBytes, "the cluster partial fits the stages");
   // kCtasPerSm CTAs an SM on sm_90 / sm_100 (227 KB; a few KB of static arrays and the driver's reserve each)
   static_assert(T::kCtasPerSm * (kBytes + 3 * 1024) <= 227 * 1024, "kCtasPerSm CTAs fit an SM's shared memory");
   // <= 96 KB dynamic + a few KB of static arrays: within the 99 KB per-block limit of sm_86 / sm_89 / sm_120,

@@ -124,6 +124,57 @@ __device__ __forceinline__ void q_fragments_from_raw(const uint32_t (&raw)[8][4]
   }
 }
 
+// Where the main loop reads the Q fragments of each k-step from: registers (32 a thread), or shared memory where the
+// register budget of kCtasPerSm CTAs an SM has no room for them (kQFragmentsInShared, config.h). Every warp holds
+// the same fragments (the 16 rows of (token, KV head) against its own keys), so the shared copy is one a CTA, written
+// by warp 0: 16-byte units [k-step][lane], each warp's read of a k-step one conflict-free LDS.128.
+template <bool kInShared>
+class QFragmentSource;
+
+template <>
+class QFragmentSource<false> {
+ public:
+  __device__ __forceinline__ QFragmentSource(uint8_t* /*shared*/, int /*lane*/) {}
+  __device__ __forceinline__ void keep(const uint32_t (&qf)[8][4], int /*warp*/) {
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) qf_[ks][j] = qf[ks][j];
+    }
+  }
+  __device__ __forceinline__ void fetch(int ks, uint32_t (&a)[4]) const {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[j] = qf_[ks][j];
+  }
+
+ private:
+  uint32_t qf_[8][4];
+};
+
+template <>
+class QFragmentSource<true> {
+ public:
+  __device__ __forceinline__ QFragmentSource(uint8_t* shared, int lane)
+      : units_(reinterpret_cast<uint4*>(shared)), lane_(lane) {}
+  // The caller's next __syncthreads makes warp 0's stores visible to every warp.
+  __device__ __forceinline__ void keep(const uint32_t (&qf)[8][4], int warp) {
+    if (warp != 0) return;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) units_[ks * 32 + lane_] = make_uint4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3]);
+  }
+  __device__ __forceinline__ void fetch(int ks, uint32_t (&a)[4]) const {
+    const uint4 u = units_[ks * 32 + lane_];
+    a[0] = u.x;
+    a[1] = u.y;
+    a[2] = u.z;
+    a[3] = u.w;
+  }
+
+ private:
+  uint4* units_;
+  int lane_;
+};
+
 // Float offset of dims [4 u, 4 u + 4) of row `row` of warp `warp`'s partial output in the merge area ([warp][row][d]
 // fp32, rows of 512 B): the 16-byte unit index is XORed, inside its 128-byte bank line, with (2 row + line) % 8, so
 // that the fragment stores of both paths (lanes 32 dims or 8 dims apart) and the merge's row reads spread over the
@@ -215,15 +266,23 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
 
   // ---- 5. Q fragments (A operand, 8 k-steps of 16 dims) for rows lane/4 and lane/4 + 8
   const int r0 = lane >> 2, c2 = (lane & 3) * 2;
-  uint32_t qf[8][4];
+  QFragmentSource<Traits::kQFragmentsInShared> q_source(smem + Plan::kQFragmentOffset, lane);
   float row_scale[2];
   {
     cute::cp_async_wait<Traits::kStages - 1>();  // the query group (the oldest) has landed, the KV stages may not
     __syncthreads();                             // ... for every thread's units
     uint32_t q_raw[8][4];
     read_q_raw<kRegisterPath>(q_tile, p.q_is_fp8, lane, q_raw);
-    __syncthreads();  // every warp has read the tile before any warp's chunk 0 refills its stage
-    q_fragments_from_raw<kOp>(q_raw, p.q_is_fp8, qf, row_scale);
+    uint32_t qf[8][4];
+    if constexpr (Traits::kQFragmentsInShared) {  // converted before the barrier that publishes warp 0's copy
+      q_fragments_from_raw<kOp>(q_raw, p.q_is_fp8, qf, row_scale);
+      q_source.keep(qf, warp);
+      __syncthreads();  // the tile is read (chunk 0 may refill its stage) and the shared fragments are written
+    } else {
+      __syncthreads();  // every warp has read the tile before any warp's chunk 0 refills its stage
+      q_fragments_from_raw<kOp>(q_raw, p.q_is_fp8, qf, row_scale);
+      q_source.keep(qf, warp);
+    }
   }
   row_scale[0] *= scale_log2;
   row_scale[1] *= scale_log2;
@@ -251,8 +310,10 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
       ChunkIO<F>::row_f16(stage, ref, 0, key0 + 8 + r0, lane & 3, k_regs[1]);
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
-        mma_16x8x16<kOp>(s[0], qf[ks], k_regs[0][2 * ks], k_regs[0][2 * ks + 1]);
-        mma_16x8x16<kOp>(s[1], qf[ks], k_regs[1][2 * ks], k_regs[1][2 * ks + 1]);
+        uint32_t qa[4];
+        q_source.fetch(ks, qa);
+        mma_16x8x16<kOp>(s[0], qa, k_regs[0][2 * ks], k_regs[0][2 * ks + 1]);
+        mma_16x8x16<kOp>(s[1], qa, k_regs[1][2 * ks], k_regs[1][2 * ks + 1]);
       }
     } else {
       const int key = key0 + ((lane >> 4) << 3) + (lane & 7);
@@ -261,8 +322,10 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
       for (int ks = 0; ks < 8; ++ks) {
         uint32_t b00, b01, b10, b11;
         ldsm_x4(stage + swizzled_offset(key, 2 * ks + unit_hi), b00, b01, b10, b11);
-        mma_16x8x16<kOp>(s[0], qf[ks], b00, b01);
-        mma_16x8x16<kOp>(s[1], qf[ks], b10, b11);
+        uint32_t qa[4];
+        q_source.fetch(ks, qa);
+        mma_16x8x16<kOp>(s[0], qa, b00, b01);
+        mma_16x8x16<kOp>(s[1], qa, b10, b11);
       }
     }
     // mask past the visible keys, scale to log2 units, online softmax per row
