@@ -192,8 +192,10 @@ def test_decode_topk_sizes(topk):
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
-def test_decode_fp8_query():
-    case = make_case(77, KVFormat.FP8, 16, 1, 9)
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_decode_fp8_query(fmt):
+    """An e4m3 query with its scale, on each KV format's kernel (each has its own straight-line FP8-query path)."""
+    case = make_case(77 + int(fmt), fmt, 16, 1, 9)
     q_scale = 0.05
     case["q"] = (case["q"].astype(jnp.float32) / q_scale).astype(jnp.float8_e4m3fn)
     case["q_scale"] = q_scale

@@ -4,6 +4,8 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include <cute/arch/copy_sm80.hpp>
 
 #include "common/params.h"
@@ -20,8 +22,10 @@ namespace jax_msa::sm80::decode {
 // coalesced cp.async pass of the CTA replaces 32 scattered 4-byte global loads per lane and warp (kQTileBytes,
 // config.h).
 
-__device__ __forceinline__ int q_tile_offset(bool q_is_fp8, int row, int d) {
-  return q_is_fp8 ? row * kHeadDim + d : swizzled_offset(row, d >> 3) + (d & 7) * 2;
+template <bool kQFp8>
+__device__ __forceinline__ int q_tile_offset(int row, int d) {
+  if constexpr (kQFp8) return row * kHeadDim + d;
+  return swizzled_offset(row, d >> 3) + (d & 7) * 2;
 }
 
 // Issues the query tile's loads (the caller commits them as one group): 16-byte units, zero-filled past the group.
@@ -32,19 +36,27 @@ __device__ __forceinline__ void load_q_tile(uint8_t* q_tile, const DecodeParams&
     const int row = u / units_per_row, unit = u % units_per_row;
     const bool live = row < group;
     const uint8_t* src = q + (live ? u * 16 : 0);  // rows < group of (t, g) are contiguous
-    cp_async_16(q_tile + q_tile_offset(p.q_is_fp8, row, unit * (p.q_is_fp8 ? 16 : 8)), src, live);
+    const int offset = p.q_is_fp8 ? q_tile_offset<true>(row, unit * 16) : q_tile_offset<false>(row, unit * 8);
+    cp_async_16(q_tile + offset, src, live);
   }
 }
 
 // Two consecutive query elements (row, d..d+1) from the tile: bf16x2 bits, or the two e4m3 bytes (low half).
-__device__ __forceinline__ uint32_t q_pair_raw(const uint8_t* q_tile, bool q_is_fp8, int row, int d) {
-  if (q_is_fp8) return *reinterpret_cast<const uint16_t*>(q_tile + q_tile_offset(true, row, d));
-  return *reinterpret_cast<const uint32_t*>(q_tile + q_tile_offset(false, row, d));
+template <bool kQFp8>
+__device__ __forceinline__ uint32_t q_pair_raw(const uint8_t* q_tile, int row, int d) {
+  if constexpr (kQFp8) return *reinterpret_cast<const uint16_t*>(q_tile + q_tile_offset<true>(row, d));
+  return *reinterpret_cast<const uint32_t*>(q_tile + q_tile_offset<false>(row, d));
 }
 
-// A raw pair as two floats (exact; q_scale is folded into the softmax scale).
-__device__ __forceinline__ float2 q_pair_to_float2(uint32_t raw, bool q_is_fp8) {
-  if (q_is_fp8) return make_float2(e4m3_to_float(uint8_t(raw & 0xff)), e4m3_to_float(uint8_t(raw >> 8)));
+// A raw pair as two floats (exact; q_scale is folded into the softmax scale). e4m3 goes through f16 (exact), by the
+// hardware conversion on sm_89+.
+template <bool kQFp8>
+__device__ __forceinline__ float2 q_pair_to_float2(uint32_t raw) {
+  if constexpr (kQFp8) {
+    const uint32_t h = e4m3x2_to_f16x2(raw);
+    return make_float2(__half2float(__ushort_as_half(uint16_t(h & 0xffffu))),
+                       __half2float(__ushort_as_half(uint16_t(h >> 16))));
+  }
   return make_float2(__uint_as_float(raw << 16), __uint_as_float(raw & 0xffff0000u));
 }
 
@@ -58,14 +70,14 @@ __device__ __forceinline__ int fragment_dim(int lane, int ks, int j) {
 
 // Q as stored, in the A-operand places of 8 k-steps: rows lane/4 (registers 0, 2) and lane/4 + 8 (1, 3), dims as
 // fragment_dim places them; read from the staged query tile.
-template <bool kLaneDims>
-__device__ __forceinline__ void read_q_raw(const uint8_t* q_tile, bool q_is_fp8, int lane, uint32_t (&raw)[8][4]) {
+template <bool kLaneDims, bool kQFp8>
+__device__ __forceinline__ void read_q_raw(const uint8_t* q_tile, int lane, uint32_t (&raw)[8][4]) {
   const int r0 = lane >> 2;
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      raw[ks][j] = q_pair_raw(q_tile, q_is_fp8, r0 + 8 * (j & 1), fragment_dim<kLaneDims>(lane, ks, j & 2));
+      raw[ks][j] = q_pair_raw<kQFp8>(q_tile, r0 + 8 * (j & 1), fragment_dim<kLaneDims>(lane, ks, j & 2));
   }
 }
 
@@ -73,8 +85,8 @@ __device__ __forceinline__ void read_q_raw(const uint8_t* q_tile, bool q_is_fp8,
 // row times 2^s with s chosen from the row's largest magnitude so that it lands in [2^14, 2^15) (f16's top binade;
 // every bf16 value then keeps its 8 significant bits unless it is 2^-38 times smaller than that largest one), and
 // row_factor = 2^-s undoes it on the scores.
-template <MmaOperand Op>
-__device__ __forceinline__ void q_fragments_from_raw(const uint32_t (&raw)[8][4], bool q_is_fp8, uint32_t (&qf)[8][4],
+template <MmaOperand Op, bool kQFp8>
+__device__ __forceinline__ void q_fragments_from_raw(const uint32_t (&raw)[8][4], uint32_t (&qf)[8][4],
                                                      float (&row_factor)[2]) {
   row_factor[0] = row_factor[1] = 1.0f;
   if constexpr (Op == MmaOperand::kBf16) {
@@ -82,8 +94,8 @@ __device__ __forceinline__ void q_fragments_from_raw(const uint32_t (&raw)[8][4]
     for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (q_is_fp8) {
-          const float2 v = q_pair_to_float2(raw[ks][j], true);
+        if constexpr (kQFp8) {
+          const float2 v = q_pair_to_float2<true>(raw[ks][j]);
           qf[ks][j] = pack_bf16x2(v.x, v.y);  // exact
         } else {
           qf[ks][j] = raw[ks][j];
@@ -95,7 +107,7 @@ __device__ __forceinline__ void q_fragments_from_raw(const uint32_t (&raw)[8][4]
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) v[ks][j] = q_pair_to_float2(raw[ks][j], q_is_fp8);
+      for (int j = 0; j < 4; ++j) v[ks][j] = q_pair_to_float2<kQFp8>(raw[ks][j]);
     }
     float mul[2];
     {
@@ -214,6 +226,12 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   const int id = warp == 0 && lane < p.topk ? topk_row[lane] : -1;
   const int seq_len = p.seq_lens[b];
   const int pos = seq_len - p.q_len + t % p.q_len;
+  // scales: q_scale and k_scale fold into the softmax scale (log2 units), v_scale into the output; loaded here so
+  // that their round trip overlaps the others
+  const bool quantized = F != KvFormat::kBf16;
+  const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
+  const float k_scale = quantized ? p.scales[kKScale] : 1.0f;
+  const float v_scale = quantized ? p.scales[kVScale] : 1.0f;
 
   // ---- 2. the valid, deduplicated blocks of (t, g): one warp ballot; this split's share; its chunks
   if (warp == 0) {
@@ -257,33 +275,32 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
     cute::cp_async_fence();
   }
 
-  // ---- 4. scales: q_scale and k_scale fold into the softmax scale (log2 units), v_scale into the output
-  const bool quantized = F != KvFormat::kBf16;
-  const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
-  const float k_scale = quantized ? p.scales[kKScale] : 1.0f;
-  const float v_scale = quantized ? p.scales[kVScale] : 1.0f;
   const float scale_log2 = p.softmax_scale * q_scale * k_scale * kLog2e;
 
-  // ---- 5. Q fragments (A operand, 8 k-steps of 16 dims) for rows lane/4 and lane/4 + 8
+  // ---- 4. Q fragments (A operand, 8 k-steps of 16 dims) for rows lane/4 and lane/4 + 8
   const int r0 = lane >> 2, c2 = (lane & 3) * 2;
   QFragmentSource<Traits::kQFragmentsInShared> q_source(smem + Plan::kQFragmentOffset, lane);
   float row_scale[2];
-  {
+  // One straight-line path per query type (the type is uniform over the grid)
+  auto prepare_q = [&](auto q_fp8) {
+    constexpr bool kQFp8 = decltype(q_fp8)::value;
     cute::cp_async_wait<Traits::kStages - 1>();  // the query group (the oldest) has landed, the KV stages may not
     __syncthreads();                             // ... for every thread's units
     uint32_t q_raw[8][4];
-    read_q_raw<kRegisterPath>(q_tile, p.q_is_fp8, lane, q_raw);
+    read_q_raw<kRegisterPath, kQFp8>(q_tile, lane, q_raw);
     uint32_t qf[8][4];
     if constexpr (Traits::kQFragmentsInShared) {  // converted before the barrier that publishes warp 0's copy
-      q_fragments_from_raw<kOp>(q_raw, p.q_is_fp8, qf, row_scale);
+      q_fragments_from_raw<kOp, kQFp8>(q_raw, qf, row_scale);
       q_source.keep(qf, warp);
       __syncthreads();  // the tile is read (chunk 0 may refill its stage) and the shared fragments are written
     } else {
       __syncthreads();  // every warp has read the tile before any warp's chunk 0 refills its stage
-      q_fragments_from_raw<kOp>(q_raw, p.q_is_fp8, qf, row_scale);
+      q_fragments_from_raw<kOp, kQFp8>(q_raw, qf, row_scale);
       q_source.keep(qf, warp);
     }
-  }
+  };
+  if (p.q_is_fp8) prepare_q(std::true_type{});
+  else prepare_q(std::false_type{});
   row_scale[0] *= scale_log2;
   row_scale[1] *= scale_log2;
 
@@ -292,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   OnlineSoftmax softmax;
 
-  // ---- 6. per-warp pipeline over the chunks
+  // ---- 5. per-warp pipeline over the chunks
   for (int c = 0; c < n_chunks; ++c) {
     cute::cp_async_wait<Traits::kStages - 2>();
     __syncwarp();  // the warp's rows of chunk c have landed; its rows of chunk c-1's stage are free
@@ -365,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
   }
   cute::cp_async_wait<0>();
 
-  // ---- 7. merge the 4 warps' (m, l, O) through shared memory
+  // ---- 6. merge the 4 warps' (m, l, O) through shared memory
   softmax.reduce_row_sums();
   __syncthreads();  // every warp is done with the stages: reuse them for the partial outputs
   float* merge = reinterpret_cast<float*>(smem);  // [warp][row][d]
