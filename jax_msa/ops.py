@@ -133,7 +133,7 @@ DECODE_CTAS_PER_SM = 2
 def decode_num_splits(cfg, q_len: int) -> int:
     """Split-K factor of the CUDA decode kernel: when the (token, KV head) pairs alone give fewer than
     DECODE_CTAS_PER_SM CTAs an SM of the H200, the largest factor whose CTAs stay within that; never more splits
-    than selected blocks."""
+    than top-k slots (cfg.topk)."""
     pairs = cfg.batch * q_len * cfg.num_kv_heads
     return max(1, min(cfg.topk, (H200_SMS * DECODE_CTAS_PER_SM) // max(pairs, 1)))
 

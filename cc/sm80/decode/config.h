@@ -44,10 +44,9 @@ static_assert(kKeysPerWarp == 16, "each warp takes one k16 step of keys per chun
 template <KvFormat F>
 struct FormatTraits;
 
-// kCtasPerSm sets the register budget (__launch_bounds__) and, with kStages, the shared-memory plan. FP8 at 4 CTAs
-// an SM (3 stages, Q fragments in shared memory) against 3 (4 stages, Q in registers), H200 64/4 32k, kernel us:
-// B=32 q_len 4 81.1 -> 67.7, B=128 94.8 -> 71.2, B=256 144.4 -> 137.2, B=32 28.2 -> 27.6 (docs/BENCHMARKS.md v8).
-// NVFP4 at 4 CTAs an SM (5 stages) was 3% slower at B=32 (v7); bf16's 32 KB stages fit 2.
+// kCtasPerSm sets the register budget (__launch_bounds__) and, with kStages, the shared-memory plan. FP8 runs 4 CTAs
+// an SM (3 stages, Q fragments in shared memory): faster than 3 (4 stages, Q in registers) wherever it was measured
+// (docs/BENCHMARKS.md, decode v8); NVFP4 at 4 (5 stages) was 3% slower (v7); bf16's 32 KB stages fit 2.
 template <>
 struct FormatTraits<KvFormat::kBf16> {
   static constexpr int kStages = 3;
