@@ -1,7 +1,8 @@
 """What the warp-MMA decode kernels of cc/sm80/decode compile to, checked on any machine with nvcc (their numerics are
 checked on the H200 by test_gpu_decode.py): for sm_90a the split-K merge inside a thread-block cluster (cluster
 barriers, cluster_merge.cuh) and no spills at the register budget of kCtasPerSm CTAs an SM; for sm_80, where clusters
-do not exist, no cluster instruction (the launcher takes the combine kernel there)."""
+do not exist, no cluster instruction (the launcher takes the combine kernel there); for every other architecture of the
+default build, no spills at the budget register_budget_ctas() gives it."""
 
 from __future__ import annotations
 
@@ -31,3 +32,17 @@ def test_decode_sm80_has_no_cluster_code(tmp_path):
     assert re.search(r"\.text\.\S*sparse_decode_kernel", sass)
     assert not re.search(r"UCGABAR|\bMAPA\b", sass)
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
+
+
+# The default build's other architectures (CMakeLists.txt, JAX_MSA_CUDA_ARCHS): no spill at the register budget that
+# register_budget_ctas() (config.h) gives each; sm_90a is checked above.
+OTHER_ARCHS = ["sm_80", "sm_86", "sm_89", "sm_100a", "sm_120"]
+
+
+@pytest.mark.parametrize("arch", OTHER_ARCHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_has_no_spills(fmt, arch, tmp_path):
+    sass, log = sass_tools.compile_unit(sass_tools.tools(), f"sm80/decode/decode_{fmt}.cu", arch, tmp_path)
+    assert re.search(r"\.text\.\S*sparse_decode_kernel", sass)
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
+    assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"

@@ -108,4 +108,21 @@ struct SharedPlan {
   static_assert(kBytes <= 96 * 1024, "fits every sm_80+ GPU");
 };
 
+// The CTAs an SM the kernel's registers are budgeted for (__launch_bounds__' second argument): kCtasPerSm, capped by
+// what the shared memory of the architecture being compiled holds (sm_86 / sm_89 / sm_120: 100 KB an SM; sm_80 /
+// sm_87: 164 KB; sm_90 / sm_100: 228 KB), so that a GPU which can never run kCtasPerSm of them does not get their
+// register cap (FP8's 4 CTAs an SM would spill on sm_120, where one fits). On sm_90 and sm_100 it is kCtasPerSm.
+template <KvFormat F>
+constexpr int register_budget_ctas() {
+#if defined(__CUDA_ARCH__)
+  constexpr int kSmemPerSm = __CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200 ? 100 * 1024
+                             : __CUDA_ARCH__ >= 900                                                ? 228 * 1024
+                                                                                                  : 164 * 1024;
+  constexpr int kFit = kSmemPerSm / (SharedPlan<F>::kBytes + 3 * 1024);  // + static arrays and the driver's reserve
+  return kFit < 1 ? 1 : (kFit < FormatTraits<F>::kCtasPerSm ? kFit : FormatTraits<F>::kCtasPerSm);
+#else
+  return FormatTraits<F>::kCtasPerSm;
+#endif
+}
+
 }  // namespace jax_msa::sm80::decode

@@ -27,7 +27,7 @@ __device__ __forceinline__ int merge_offset(int warp, int row, int u) {
 }
 
 template <KvFormat F>
-__global__ void __launch_bounds__(kThreads, FormatTraits<F>::kCtasPerSm)
+__global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     sparse_decode_kernel(const DecodeParams p, bool merge_in_cluster) {
   using Traits = FormatTraits<F>;
   using Plan = SharedPlan<F>;
