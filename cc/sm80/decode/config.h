@@ -80,6 +80,10 @@ struct FormatTraits<KvFormat::kNvfp4> {
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
 };
 
+// Shared memory an SM offers its CTAs on sm_90 / sm_100 (228 KB, 1 KB of it reserved per CTA; the footprint below
+// counts that reserve)
+constexpr int kSm90SharedBytes = 227 * 1024;
+
 // Shared-memory plan: [stages | Q fragments (kQFragmentsInShared)] dynamic; the chunk table and the merge
 // statistics are static arrays
 template <KvFormat F>
@@ -101,8 +105,10 @@ struct SharedPlan {
   static constexpr int kClusterPartialOffset = kMergeBytes;
   static constexpr int kClusterPartialBytes = kRows * kHeadDim * 4 + kRows * 4;
   static_assert(kClusterPartialOffset + kClusterPartialBytes <= kStageAreaBytes, "the cluster partial fits the stages");
-  // kCtasPerSm CTAs an SM on sm_90 / sm_100 (227 KB; a few KB of static arrays and the driver's reserve each)
-  static_assert(T::kCtasPerSm * (kBytes + 3 * 1024) <= 227 * 1024, "kCtasPerSm CTAs fit an SM's shared memory");
+  // What one CTA takes of an SM's shared memory: the dynamic bytes, a few KB of static arrays and the driver's reserve
+  static constexpr int kSmFootprintBytes = kBytes + 3 * 1024;
+  // kCtasPerSm CTAs an SM on sm_90 / sm_100
+  static_assert(T::kCtasPerSm * kSmFootprintBytes <= kSm90SharedBytes, "kCtasPerSm CTAs fit an SM's shared memory");
   // <= 96 KB dynamic + a few KB of static arrays: within the 99 KB per-block limit of sm_86 / sm_89 / sm_120,
   // so the same kernels launch on every sm_80+ GPU.
   static_assert(kBytes <= 96 * 1024, "fits every sm_80+ GPU");
@@ -110,15 +116,15 @@ struct SharedPlan {
 
 // The CTAs an SM the kernel's registers are budgeted for (__launch_bounds__' second argument): kCtasPerSm, capped by
 // what the shared memory of the architecture being compiled holds (sm_86 / sm_89 / sm_120: 100 KB an SM; sm_80 /
-// sm_87: 164 KB; sm_90 / sm_100: 228 KB), so that a GPU which can never run kCtasPerSm of them does not get their
-// register cap (FP8's 4 CTAs an SM would spill on sm_120, where one fits). On sm_90 and sm_100 it is kCtasPerSm.
+// sm_87: 164 KB; sm_90 / sm_100: kSm90SharedBytes), so that a GPU which can never run kCtasPerSm of them does not get
+// their register cap (FP8's 4 CTAs an SM would spill on sm_120, where one fits). On sm_90 and sm_100 it is kCtasPerSm.
 template <KvFormat F>
 constexpr int register_budget_ctas() {
 #if defined(__CUDA_ARCH__)
   constexpr int kSmemPerSm = __CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200 ? 100 * 1024
-                             : __CUDA_ARCH__ >= 900                                                ? 228 * 1024
+                             : __CUDA_ARCH__ >= 900                                                ? kSm90SharedBytes
                                                                                                   : 164 * 1024;
-  constexpr int kFit = kSmemPerSm / (SharedPlan<F>::kBytes + 3 * 1024);  // + static arrays and the driver's reserve
+  constexpr int kFit = kSmemPerSm / SharedPlan<F>::kSmFootprintBytes;
   return kFit < 1 ? 1 : (kFit < FormatTraits<F>::kCtasPerSm ? kFit : FormatTraits<F>::kCtasPerSm);
 #else
   return FormatTraits<F>::kCtasPerSm;
