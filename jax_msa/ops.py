@@ -125,17 +125,20 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
 
 
 H200_SMS = 132
-# The split rule fills 2 CTAs an SM for every format, although FP8 fits 4 and NVFP4 3 (FormatTraits::kCtasPerSm,
-# cc/sm80/decode/config.h): more splits measured slower on the H200 (docs/BENCHMARKS.md, decode v6, v7 and v8).
-DECODE_CTAS_PER_SM = 2
+# CTAs an SM the split rule fills, per cache format: bf16 one, FP8 / NVFP4 two (their kernels fit 2, 4 and 3 an SM:
+# FormatTraits::kCtasPerSm, cc/sm80/decode/config.h). Measured on the H200 (docs/BENCHMARKS.md, "Split rule per
+# format"): bf16 was fastest at one CTA an SM in each case swept with 32-128 (token, KV head) pairs (16/1 B = 32:
+# 4 splits 15.9 us, 8 splits 21.9); FP8 and NVFP4 at two where it was measured apart from the spread (64/4 B = 32:
+# 2 splits 25.3 / 28.6 us, 1 split 26.8 / 31.5). More CTAs than the SM's kernel fits were slower (decode v6-v8).
+DECODE_CTAS_PER_SM = {kvc.KVFormat.BF16: 1, kvc.KVFormat.FP8: 2, kvc.KVFormat.NVFP4: 2}
 
 
 def decode_num_splits(cfg, q_len: int) -> int:
     """Split-K factor of the CUDA decode kernel: when the (token, KV head) pairs alone give fewer than
-    DECODE_CTAS_PER_SM CTAs an SM of the H200, the largest factor whose CTAs stay within that; never more splits
-    than top-k slots (cfg.topk)."""
+    DECODE_CTAS_PER_SM[format] CTAs an SM of the H200, the largest factor whose CTAs stay within that; never more
+    splits than top-k slots (cfg.topk)."""
     pairs = cfg.batch * q_len * cfg.num_kv_heads
-    return max(1, min(cfg.topk, (H200_SMS * DECODE_CTAS_PER_SM) // max(pairs, 1)))
+    return max(1, min(cfg.topk, (H200_SMS * DECODE_CTAS_PER_SM[cfg.kv_format]) // max(pairs, 1)))
 
 
 def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=1, scale=None, return_lse=False,

@@ -26,6 +26,22 @@ __device__ __forceinline__ int merge_offset(int warp, int row, int u) {
   return (warp * kRows + row) * kHeadDim + 4 * (u ^ ((2 * row + (u >> 3)) & 7));
 }
 
+// sm_90+: one thread asks L2 for request b's whole block-table row (one bulk prefetch, 16-byte aligned, inside the
+// table), issued with the top-k row's load so that the page lookups that depend on it hit L2 instead of paying a
+// second DRAM round trip. A hint: nothing waits for it.
+__device__ __forceinline__ void prefetch_block_table_row(const DecodeParams& p, int b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uintptr_t table = reinterpret_cast<uintptr_t>(p.block_table);
+  const uintptr_t table_end = (table + uintptr_t(p.batch) * p.max_blocks * sizeof(int32_t)) & ~uintptr_t(15);
+  const uintptr_t row = table + uintptr_t(b) * p.max_blocks * sizeof(int32_t);
+  const uintptr_t begin = row & ~uintptr_t(15);
+  const uintptr_t row_end = (row + p.max_blocks * sizeof(int32_t) + 15) & ~uintptr_t(15);
+  const uintptr_t end = row_end < table_end ? row_end : table_end;
+  if (begin >= table && end > begin)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(begin), "r"(uint32_t(end - begin)) : "memory");
+#endif
+}
+
 template <KvFormat F>
 __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     sparse_decode_kernel(const DecodeParams p, bool merge_in_cluster) {
@@ -47,7 +63,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
 
   // ---- 1. the loads that depend on nothing are issued first, so their latencies overlap: the query tile (one
   //         cp.async group, staged in the last pipeline stage, which the loop first fills at chunk 0), the top-k row
-  //         (warp 0) and the request's length
+  //         (warp 0), the request's block-table row into L2 (warp 1) and the request's length
   uint8_t* stages = smem + Plan::kStagesOffset;
   auto stage_ptr = [&](int c) { return stages + (c % Traits::kStages) * Traits::kStageBytes; };
   uint8_t* q_tile = smem + Plan::kQueryTileOffset;  // = stage_ptr(kStages - 1)
@@ -55,6 +71,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   cute::cp_async_fence();
   const int32_t* topk_row = p.topk_ids + (int64_t(g) * tokens + t) * p.topk;
   const int id = warp == 0 && lane < p.topk ? topk_row[lane] : -1;
+  if (warp == 1 && lane == 0) prefetch_block_table_row(p, b);
   const int seq_len = p.seq_lens[b];
   const int pos = seq_len - p.q_len + t % p.q_len;
   // scales: q_scale and k_scale fold into the softmax scale (log2 units), v_scale into the output; loaded here so
