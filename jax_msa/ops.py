@@ -128,8 +128,9 @@ H200_SMS = 132
 # CTAs an SM the split rule fills, per cache format: bf16 one, FP8 / NVFP4 two (their kernels fit 2, 4 and 3 an SM:
 # FormatTraits::kCtasPerSm, cc/sm80/decode/config.h). Measured on the H200 (docs/BENCHMARKS.md, "Split rule per
 # format"): bf16 was fastest at one CTA an SM in each case swept with 32-128 (token, KV head) pairs (16/1 B = 32:
-# 4 splits 15.9 us, 8 splits 21.9); FP8 and NVFP4 at two where it was measured apart from the spread (64/4 B = 32:
-# 2 splits 25.3 / 28.6 us, 1 split 26.8 / 31.5). More CTAs than the SM's kernel fits were slower (decode v6-v8).
+# 4 splits 15.9 us, 8 splits 21.9); FP8 and NVFP4 at two with 32 and 128 pairs (64/4 B = 32: 2 splits 25.3 / 28.6 us,
+# 1 split 26.8 / 31.5), one at 64 pairs by 5-7% in a single call (left for a wider sweep). More CTAs than the SM's
+# kernel fits were slower (decode v6-v8).
 DECODE_CTAS_PER_SM = {kvc.KVFormat.BF16: 1, kvc.KVFormat.FP8: 2, kvc.KVFormat.NVFP4: 2}
 
 

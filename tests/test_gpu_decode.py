@@ -238,7 +238,7 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, batch, q_len, splits, 
     count is forced (the rule in ops.decode_num_splits differs per format)."""
     from jax_msa import _ffi, ops
 
-    monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, q_len: splits)
+    monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: splits)
     case = make_case(500 + 10 * int(fmt) + batch, fmt, 16, q_len, batch)
     paths = {}
     for setting, path in (("1", "cluster"), ("0", "combine_kernel")):
