@@ -12,17 +12,21 @@
 //              are converters (the block's raw K and V bytes -> the stage's bf16 tiles).
 //              Warpgroups 1 and 2 are consumers (tile rows [64 (wg - 1), +64) each: 4 tokens x 16 heads for M3).
 //   pipeline : kStages stages of [Q tile | K | V]. Q|K and V have their own full / empty barriers: a stage's Q|K is
-//              refilled as soon as the consumers' S = Q K^T is done, its V once O = P V is done. A stage whose K / V
+//              refilled as soon as the consumers' S = Q K^T is done, its V once O = P V is done (bf16: the producer
+//              loads an item's V after the next item's Q|K, so a Q|K never waits behind a V stage). A stage whose K / V
 //              already hold the item's block (its previous item, kStages items back, had the same cache page, KV
 //              head and keys in the request) keeps them: only the queries are loaded (FP8 / NVFP4: nothing is
 //              converted), and the barriers run their usual phases.
 //   MMA      : S = Q K^T by wgmma m64n64k16 (both operands in shared memory, K-major) for both 64-key halves of the
 //              block (keys nobody sees are masked); O = P V by wgmma m64n128k16 with P from registers and V MN-major
-//              (the same K-major tile viewed as dims x keys). A consumer issues the next item's S together with this
-//              item's O, so the tensor cores work while it stores this item's partials (setmaxnreg: the consumers
-//              take the producer warpgroup's registers). Build-time experiment (kConsumerPingPong, off; within 2% of
-//              the default): the two consumer warpgroups take turns issuing those MMAs
-//   softmax  : over the whole block at once (both halves' S are in registers), causal mask per row (key < visible)
+//              (the same K-major tile viewed as dims x keys). The consumers are software-pipelined across items
+//              (FA3's intra-warpgroup overlap): item j + 1's S runs while item j - 1's partials are stored, item j's
+//              O while item j + 1's softmax runs (setmaxnreg: the consumers take the producer warpgroup's registers).
+//              Build-time experiment (kConsumerPingPong, off; within 2% of the default before this pipeline): the two
+//              consumer warpgroups take turns issuing an iteration's MMAs
+//   softmax  : over the whole block at once (both halves' S are in registers, exponentiated in place), 2^x by
+//              ex2.approx; a warp whose rows all see the whole block (and a positive scale) takes no mask, the max over
+//              the raw scores and the scale in one FFMA a score; otherwise a causal mask per row (key < visible)
 //   output   : one normalized bf16 partial (and its lse) per (query, selected block) at the plan's rank slot, as the
 //              warp-MMA kernel writes them; the warp-MMA combine (sm80/prefill/combine_partials.cu) merges them.
 //              FP8: the tiles hold the raw e4m3 values (exact in bf16); NVFP4: e2m1 x its e4m3 block scale (exact
@@ -54,11 +58,11 @@ constexpr int kMaxTokens = 16;  // tokens of a tile: 128 / G for G in {8, 16}
 static_assert(kBlockKeys < 256, "the producer's stage key packs the block's keys into 8 bits");
 constexpr int kConverterWarps = 3;  // FP8 / NVFP4: warps 1-3 of the producer warpgroup
 
-// Consumer ping-pong, a build-time experiment (CMake JAX_MSA_SM90_PREFILL_PINGPONG=ON; off by default; on the H200
-// it passed the small prefill tests and measured within 2% of the default): consumer warpgroup i waits on named
-// barrier kConsumerTurn + i (ids past CUTLASS's reserved ones) before it issues an item's MMAs (O = P V and the next
-// S) and, once issued, arrives on the other's, so one warpgroup's softmax runs while the other's MMAs occupy the
-// tensor cores.
+// Consumer ping-pong, a build-time experiment (CMake JAX_MSA_SM90_PREFILL_PINGPONG=ON; off by default; on the H200,
+// before the consumers' pipeline across items, it passed the small prefill tests and measured within 2% of the
+// default; not measured since): consumer warpgroup i waits on named barrier kConsumerTurn + i (ids past CUTLASS's
+// reserved ones) before it issues an iteration's MMAs (the next item's S, then this item's O) and, once issued, arrives
+// on the other's, so one warpgroup's softmax runs while the other's MMAs occupy the tensor cores.
 #ifndef JAX_MSA_SM90_PREFILL_PINGPONG
 #define JAX_MSA_SM90_PREFILL_PINGPONG 0
 #endif
@@ -70,14 +74,15 @@ constexpr uint32_t kConsumerTurnThreads = kConsumerWarpgroups * 128;  // both co
 template <KvFormat F>
 constexpr bool kConverted = F != KvFormat::kBf16;
 // Registers a thread after setmaxnreg: the producer warpgroup gives, the consumers take (S 64 + O 64 + P 32 fp32/bf16
-// registers live across the overlap); the converters need a few more. setmaxnreg moves registers inside the pool the CTA
+// registers live across the overlap). The producer keeps the next item's plan entries and (bf16) the previous item's
+// pending V load, the converters their tiles' addresses: 40 spilled. setmaxnreg moves registers inside the pool the CTA
 // was launched with (kLaunchRegisters a thread, from __launch_bounds__(kThreads, 1)), so the split must fit that pool,
 // not 64K: a consumer request beyond it never completes (setmaxnreg.inc waits forever; seen on the H200 with 48 / 232).
 constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;  // 168
 template <KvFormat F>
-constexpr int kProducerRegisters = kConverted<F> ? 56 : 40;
+constexpr int kProducerRegisters = 56;
 template <KvFormat F>
-constexpr int kConsumerRegisters = kConverted<F> ? 224 : 232;
+constexpr int kConsumerRegisters = 224;
 template <KvFormat F>
 constexpr bool kRegistersFitPool = kWarpgroupThreads * (kProducerRegisters<F> + kConsumerWarpgroups *
                                                         kConsumerRegisters<F>) <= kThreads * kLaunchRegisters;
@@ -126,7 +131,8 @@ struct TileMeta {
   int visible[kMaxTokens];  // keys of the block the token sees (causal; 0 when the page is invalid)
   int head;                 // KV head g
   int count;                // tokens in the tile
-  int visible_max;          // keys any token sees: 0 = nothing loaded for this item (the stage keeps what it held)
+  int visible_max;          // keys any token sees: 0 = nothing loaded for this item (the stage keeps what it held);
+                            // no longer read by the consumers (v6), kept so the layout stays the one measured
 };
 
 struct alignas(1024) SharedStorage {

@@ -81,12 +81,13 @@ __device__ __forceinline__ ProducerItem read_item(const PrefillParams& p, const 
 
 // Per item: wait for the stage's Q|K to be free, write the tile's queries into the stage's TileMeta, arm Q|K's full
 // barrier with the transaction bytes and load the tokens' G query rows (lanes < count, two 64-dim boxes each) and
-// (bf16) the block's K column halves; then wait for the stage's V and load it (bf16), or (FP8 / NVFP4) load the block's
-// raw K and V bytes into the converters' buffers as each is handed back (FP8: a TMA box of the K or V byte columns;
-// NVFP4: one bulk copy of the head's K or V cache slot). The next item's plan entries (a chain of dependent
-// global loads) are read right after, while the consumers still hold the stages. An item nobody sees (invalid page)
-// loads nothing; its barriers complete on the arrivals alone. A stage that already holds the item's block (held[])
-// gets only the query rows: no K / V copies, no raw bytes for the converters.
+// (bf16) the block's K column halves, then the previous item's V once its stage is handed back (V lags one item: the
+// consumers hand a stage's V back at the end of an item, later than its Q|K, and the next Q|K must not wait for that),
+// or (FP8 / NVFP4) load the block's raw K and V bytes into the converters' buffers as each is handed back (FP8: a TMA
+// box of the K or V byte columns; NVFP4: one bulk copy of the head's K or V cache slot). The next item's plan entries
+// (a chain of dependent global loads) are read right after, while the consumers still hold the stages. An item nobody
+// sees (invalid page) loads nothing; its barriers complete on the arrivals alone. A stage that already holds the item's
+// block (held[]) gets only the query rows: no K / V copies, no raw bytes for the converters.
 template <KvFormat F>
 __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F>& storage, const PlanView& plan,
                                               ItemRange items) {
@@ -101,6 +102,33 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
   int64_t held[kStages];
 #pragma unroll
   for (int st = 0; st < kStages; ++st) held[st] = -1;
+  // bf16: the V load of the previous item, issued after this item's Q|K
+  struct PendingValues {
+    bool any, load_kv;
+    int st, kv_row, n_keys;
+    uint32_t phase;
+  } pending{false, false, 0, 0, 0, 0u};
+  auto load_values = [&](const PendingValues& pv) {
+    SharedStorage::Stage& sg = s.stage[pv.st];
+    ClusterBarrier::wait(&s.v_empty[pv.st], pv.phase ^ 1);
+    // A block that ends inside the page (the request's last) lands on v_landed first: its V rows past the request are
+    // zeroed here, then the consumers' v_full is released.
+    const bool tail = pv.load_kv && pv.n_keys < kBlockKeys;
+    uint64_t* landing = tail ? &s.v_landed[pv.st] : &s.v_full[pv.st];
+    if (lane == 0) ClusterTransactionBarrier::arrive_and_expect_tx(landing, pv.load_kv ? kTileBytes : 0);
+    __syncwarp();
+    if (pv.load_kv && lane < 2)  // lane j: V column half j
+      cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, landing, kEvictNormal, sg.v + lane * kColumnHalfBytes,
+                                   kHeadDim + lane * 64, pv.kv_row);
+    if (tail) {
+      ClusterBarrier::wait(&s.v_landed[pv.st], (landed_uses >> pv.st) & 1);
+      landed_uses ^= 1u << pv.st;
+      zero_value_rows(sg.v, pv.n_keys, lane);
+      cutlass::arch::fence_view_async_shared();  // generic-proxy writes before the consumers' wgmma reads them
+      __syncwarp();
+      if (lane == 0) ClusterBarrier::arrive(&s.v_full[pv.st]);
+    }
+  };
   ProducerItem next = read_item(p, plan, items.begin, lane);
   int k = 0;
   for (int w = items.begin; w < items.end; ++w, ++k) {
@@ -174,58 +202,44 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
       if (load_kv && lane < 2)  // lane j: K column half j
         cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, &s.qk_full[st], kEvictNormal, sg.k + lane * kColumnHalfBytes,
                                      lane * 64, kv_row);
-      ClusterBarrier::wait(&s.v_empty[st], phase ^ 1);
-      // A block that ends inside the page (the request's last) lands on v_landed first: its V rows past the request
-      // are zeroed here, then the consumers' v_full is released.
-      const bool tail = load_kv && v.n_keys < kBlockKeys;
-      uint64_t* landing = tail ? &s.v_landed[st] : &s.v_full[st];
-      if (lane == 0) ClusterTransactionBarrier::arrive_and_expect_tx(landing, load_kv ? kTileBytes : 0);
-      __syncwarp();
-      if (load_kv && lane < 2)  // lane j: V column half j
-        cute::SM90_TMA_LOAD_2D::copy(&a.kv_map, landing, kEvictNormal, sg.v + lane * kColumnHalfBytes,
-                                     kHeadDim + lane * 64, kv_row);
-      if (tail) {
-        ClusterBarrier::wait(&s.v_landed[st], (landed_uses >> st) & 1);
-        landed_uses ^= 1u << st;
-        zero_value_rows(sg.v, v.n_keys, lane);
-        cutlass::arch::fence_view_async_shared();  // generic-proxy writes before the consumers' wgmma reads them
-        __syncwarp();
-        if (lane == 0) ClusterBarrier::arrive(&s.v_full[st]);
-      }
+      if (pending.any) load_values(pending);
+      pending = {true, load_kv, st, kv_row, v.n_keys, phase};
     }
     if (w + 1 < items.end) next = read_item(p, plan, w + 1, lane);
   }
+  if constexpr (!kRaw)
+    if (pending.any) load_values(pending);
 }
 
 // ---- consumers: two warpgroups, 64 tile rows each -------------------------------------------------------------------
 
-// What a consumer thread keeps of one work item: its two rows' queries and visibility, and how many halves are seen.
+// What a consumer thread keeps of one work item: how many keys of the block its two rows see (causal; 0 past the
+// tile's tokens) and where their partials go (-1: no token).
 struct ItemRows {
-  int head;       // KV head g
-  int count;      // tokens in the tile
-  int halves;     // 64-key halves any token sees: 0, 1 or 2
-  int vis[2], query[2], rank[2];
+  int vis[2];
+  int64_t slot[2];  // partial row: the plan's (token, KV head, rank) slot * G + head in the group
 };
 
 // P = exp2(S - m) in the register A layout of m64nNk16: ((2, 2, 2), 1, 4) holds an m64n64 accumulator's values in the
 // same order.
 using PLayout = cute::Layout<cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::_4>>;
 
-// Waits for the Q|K of this CTA's k-th item and reads the tile's queries.
-__device__ __forceinline__ ItemRows wait_item(SharedStorage& s, int k, const int (&tok)[2]) {
+// Waits for the Q|K of this CTA's k-th item and reads its rows from the tile's queries (before the stage is released:
+// the producer rewrites the meta with the stage).
+__device__ __forceinline__ ItemRows wait_item(const PrefillParams& p, const PlanView& plan, SharedStorage& s, int k,
+                                              const int (&tok)[2], const int (&head_in_group)[2], int group) {
   const int st = k % kStages;
   ItemRows it;
   ClusterBarrier::wait(&s.qk_full[st], (k / kStages) & 1);
   const TileMeta& m = s.meta[st];
-  it.head = m.head;
-  it.count = m.count;
-  it.halves = m.visible_max > kHalfKeys ? 2 : (m.visible_max > 0 ? 1 : 0);
+  const int count = m.count, head = m.head;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const bool ok = tok[r] < it.count;
+    const bool ok = tok[r] < count;
     it.vis[r] = ok ? m.visible[tok[r]] : 0;
-    it.query[r] = ok ? m.query[tok[r]] : 0;
-    it.rank[r] = ok ? m.rank[tok[r]] : 0;
+    it.slot[r] = ok ? plan.partial_index(m.query[tok[r]], head, m.rank[tok[r]], p.num_kv_heads) * group +
+                          head_in_group[r]
+                    : -1;
   }
   return it;
 }
@@ -256,44 +270,73 @@ __device__ __forceinline__ void issue_scores(const SharedStorage::Stage& sg, int
   warpgroup_commit_batch();
 }
 
-// Causal mask (key < the row's visible keys) and the row max over the visible halves, then P = exp2(S - m) in bf16 and
-// this lane's share of the row sums. Element 4 j + e of a half: row (e / 2) of the pair, key 64 h + 8 j + c2 + e % 2
-// (the m64nNk16 accumulator layout). m in log2 units, -inf for a row that sees nothing.
-template <class TS, class TP>
-__device__ __forceinline__ void probabilities(const ItemRows& it, int c2, float scale_log2, TS& tSrS0, TS& tSrS1,
-                                              TP& tOrP0, TP& tOrP1, float (&m)[2], float (&l)[2]) {
-  float sc[2][8][4];
+// 2^x on the MUFU unit (ex2.approx.ftz: 2 ulp, -inf -> +0). exp2f adds a subnormal fix-up of four instructions a value;
+// the values here are at most 1 and feed a bf16 P and an fp32 row sum of at least 1.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The softmax of this thread's two rows over the block, in place: S -> exp2(S scale_log2 - m) (fp32), m the row max in
+// log2 units (-inf for a row that sees nothing) and l this lane's share of the row sum. Element 4 j + e of a half: row
+// (e / 2) of the pair, key 64 h + 8 j + c2 + e % 2 (the m64nNk16 accumulator layout).
+// Two paths, chosen per warp: when every row of the warp sees the whole block (all but the tiles on a request's
+// diagonal or last block) and the scale is positive, no mask, the max over the raw scores and the scale folded into
+// one FFMA a score; otherwise each score is scaled, then masked (key < the row's visible keys: keys nobody sees hold
+// whatever the stage's K tile held, possibly the page's non-finite bytes past the request).
+template <class TS>
+__device__ __forceinline__ void softmax_in_place(const ItemRows& it, int c2, float scale_log2, TS& tSrS0, TS& tSrS1,
+                                                 float (&m)[2], float (&l)[2]) {
+  const bool whole =
+      scale_log2 > 0.0f && __all_sync(0xffffffffu, it.vis[0] == kBlockKeys && it.vis[1] == kBlockKeys);
+  float scale = 1.0f;  // what the max is multiplied by, and the scores in the exponent's FFMA
+  if (!whole) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2; ++h) {
+      TS& tSrS = h == 0 ? tSrS0 : tSrS1;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = h * kHalfKeys + 8 * j + c2 + (e & 1);
-        const float raw = h == 0 ? tSrS0(4 * j + e) : tSrS1(4 * j + e);
-        sc[h][j][e] = (h < it.halves && key < it.vis[e >> 1]) ? raw * scale_log2 : -INFINITY;
+      for (int i = 0; i < 32; ++i) {  // i = 4 j + e
+        const int key = h * kHalfKeys + 8 * (i >> 2) + c2 + (i & 1);
+        tSrS(i) = key < it.vis[(i >> 1) & 1] ? tSrS(i) * scale_log2 : -INFINITY;
       }
     }
+  } else {
+    scale = scale_log2;
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(sc[h][j][2 * r], sc[h][j][2 * r + 1]));
+    for (int j = 0; j < 8; ++j)
+      mx = fmaxf(mx, fmaxf(fmaxf(tSrS0(4 * j + 2 * r), tSrS0(4 * j + 2 * r + 1)),
+                           fmaxf(tSrS1(4 * j + 2 * r), tSrS1(4 * j + 2 * r + 1))));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    m[r] = mx;
+    m[r] = mx * scale;
     l[r] = 0.0f;
   }
   const float base[2] = {m[0] == -INFINITY ? 0.0f : m[0], m[1] == -INFINITY ? 0.0f : m[1]};
 #pragma unroll
-  for (int i = 0; i < 64; ++i) {  // i = 32 h + 4 j + e
-    const int h = i >> 5, e = i & 3;
-    const float pr = exp2f(sc[h][(i >> 2) & 7][e] - base[e >> 1]);
-    l[e >> 1] += pr;
-    (h == 0 ? tOrP0 : tOrP1)(i & 31) = Element(pr);
+  for (int h = 0; h < 2; ++h) {
+    TS& tSrS = h == 0 ? tSrS0 : tSrS1;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int r = (i >> 1) & 1;
+      const float pr = exp2_approx(fmaf(tSrS(i), scale, -base[r]));
+      l[r] += pr;
+      tSrS(i) = pr;
+    }
+  }
+}
+
+// P = bf16(exp2(S - m)): the A operand of O = P V, element for element.
+template <class TS, class TP>
+__device__ __forceinline__ void convert_probabilities(const TS& tSrS0, const TS& tSrS1, TP& tOrP0, TP& tOrP1) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    tOrP0(i) = Element(tSrS0(i));
+    tOrP1(i) = Element(tSrS1(i));
   }
 }
 
@@ -321,29 +364,36 @@ __device__ __forceinline__ void issue_values(const uint8_t* v_tile, MmaO& mma_o,
   warpgroup_commit_batch();
 }
 
-// Normalized bf16 partials (times v_scale) and lse of this thread's two rows at the plan's slots (the G rows of one
-// token are G consecutive slots). A row that saw nothing: O = 0, lse = -inf. Natural column order: 16 4-byte stores a
-// row (columns 8 j + c2, +1; a lane quad's store covers 16 contiguous bytes); fragment order (kFragmentOrder, the host's
+// Normalized bf16 partials (times v_scale) and lse of this thread's two rows at their slots (the G rows of one token
+// are G consecutive slots). A row that saw nothing: O = 0 (whatever V held: P = 0 times a NaN is NaN), lse = -inf.
+// (ptxas turns the warp-uniform any_empty test into a select a value either way; a separate path without it measured
+// no faster on the H200, fifteenth session.) Natural column order: 16 4-byte stores a row (columns
+// 8 j + c2, +1; a lane quad's store covers 16 contiguous bytes); fragment order (kFragmentOrder, the host's
 // p.partial_fragment_order; common/partial_order.h): four 16-byte stores a row, a quad's store 64 contiguous bytes.
 template <bool kFragmentOrder, class TO>
-__device__ __forceinline__ void store_partials(const PrefillParams& p, const PlanView& plan, const ItemRows& it,
-                                               const int (&tok)[2], const int (&head_in_group)[2], int group, int lane,
-                                               float v_scale, TO& tOrO, const float (&m)[2], float (&l)[2]) {
+__device__ __forceinline__ void store_partials(const PrefillParams& p, const ItemRows& it, int lane, float v_scale,
+                                               TO& tOrO, const float (&m)[2], float (&l)[2]) {
   const int c2 = (lane & 3) * 2;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
+  const bool any_empty = __any_sync(0xffffffffu, (it.slot[0] >= 0 && !(l[0] > 0.0f)) ||
+                                                     (it.slot[1] >= 0 && !(l[1] > 0.0f)));
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (tok[r] >= it.count) continue;
-    const int64_t slot = plan.partial_index(it.query[r], it.head, it.rank[r], p.num_kv_heads) * group + head_in_group[r];
+    if (it.slot[r] < 0) continue;
+    const int64_t slot = it.slot[r];
     const bool empty = !(l[r] > 0.0f);
     const float inv = empty ? 0.0f : v_scale / l[r];
     // columns 8 j + c2, +1 of row r, normalized, as bf16x2
     auto normalized_pair = [&](int j) {
-      const float o0 = empty ? 0.0f : tOrO(4 * j + 2 * r) * inv, o1 = empty ? 0.0f : tOrO(4 * j + 2 * r + 1) * inv;
+      float o0 = tOrO(4 * j + 2 * r) * inv, o1 = tOrO(4 * j + 2 * r + 1) * inv;
+      if (any_empty) {
+        o0 = empty ? 0.0f : o0;
+        o1 = empty ? 0.0f : o1;
+      }
       return sm80::pack_bf16x2(o0, o1);
     };
     if constexpr (kFragmentOrder) {
@@ -365,9 +415,15 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Pla
   }
 }
 
-// Per item: S (issued one item ahead), softmax, O = P V; the next item's S is issued with this item's O, so the tensor
-// cores compute it while this item's partials are stored. A stage's Q|K is released once its S is done, its V once its
-// O is done. FP8: k_scale goes into the softmax scale, v_scale into the normalization.
+// The items of this CTA's range, software-pipelined so that the tensor cores have the next MMA queued while a
+// consumer works on registers (FA3's intra-warpgroup overlap, across work items): item j + 1's S = Q K^T runs while
+// item j - 1's partials are stored, item j's O = P V while item j + 1's softmax runs. Iteration j:
+//   issue S(j + 1)  ->  store partials(j - 1)  ->  issue O(j)  ->  wait S(j + 1)  ->  softmax(j + 1) in place
+//   ->  wait O(j)  ->  P(j + 1) = bf16
+// Both groups are committed and waited inside the iteration, S before O (wait<1> completes the S alone): ptxas keeps
+// the wgmma pipeline only for waits it can match to their groups, not across a loop's back edge. A stage's Q|K is
+// released once its S is done, its V once its O is done. FP8: k_scale goes into the softmax scale, v_scale into the
+// normalization.
 template <KvFormat F, bool kFragmentOrder>
 __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedStorage& s, const PlanView& plan,
                                               ItemRange items, int wg) {
@@ -385,6 +441,7 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   const int tok[2] = {row0 / group, (row0 + 8) / group};
   const int head_in_group[2] = {row0 % group, (row0 + 8) % group};
   const int c2 = (lane & 3) * 2;
+  const int n = items.end - items.begin;
 
   MmaS mma_s;
   MmaO mma_o;
@@ -396,47 +453,64 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   Tensor tOrP0 = make_tensor<Element>(PLayout{});
   Tensor tOrP1 = make_tensor<Element>(PLayout{});
 
-  // Ping-pong (kConsumerPingPong): warpgroup 1 hands warpgroup 0 the first turn; each turn is one item's O and next S.
-  // Both warpgroups walk the same items, so the turns pair up; warpgroup 1 skips its last hand-over, which nobody
-  // would wait for.
+  // Ping-pong (kConsumerPingPong): warpgroup 1 hands warpgroup 0 the first turn; a turn spans one iteration's MMA
+  // issues (the next S, then O). Both warpgroups walk the same items, so the turns pair up; warpgroup 1 skips its
+  // last hand-over, which nobody would wait for.
   if constexpr (kConsumerPingPong)
     if (wg == 1) cutlass::arch::NamedBarrier::arrive(kConsumerTurnThreads, kConsumerTurn + 0);
+  auto release = [&](uint64_t* barrier) {
+    __syncwarp();
+    if (lane == 0) ClusterBarrier::arrive(barrier);
+  };
 
-  int w = items.begin, k = 0;
-  ItemRows cur = wait_item(s, k, tok);
+  // Item 0: S, softmax, P.
+  ItemRows prev{}, cur = wait_item(p, plan, s, 0, tok, head_in_group, group);
   issue_scores(s.stage[0], wg, mma_s, thr_s, tSrS0, tSrS1);
-  while (true) {
-    const int st = k % kStages;
-    warpgroup_wait<0>();  // S of the current item; nothing in flight
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tSrS0);
+  warpgroup_fence_operand(tSrS1);
+  release(&s.qk_empty[0]);  // this warp no longer reads the stage's Q and K
+  float m[2], l[2], m_prev[2] = {0.0f, 0.0f}, l_prev[2] = {0.0f, 0.0f};
+  softmax_in_place(cur, c2, scale_log2, tSrS0, tSrS1, m, l);
+  convert_probabilities(tSrS0, tSrS1, tOrP0, tOrP1);
+
+  for (int j = 0;; ++j) {
+    const int st = j % kStages, st1 = (j + 1) % kStages;
+    const bool more = j + 1 < n;
+    ItemRows next = cur;
+    if (more) next = wait_item(p, plan, s, j + 1, tok, head_in_group, group);  // (the producer is normally ahead)
+    if constexpr (kConsumerPingPong) cutlass::arch::NamedBarrier::sync(kConsumerTurnThreads, kConsumerTurn + wg);
+    // S of item j + 1 (after the last item: a harmless product of a stage nobody refills, never read)
+    issue_scores(s.stage[st1], wg, mma_s, thr_s, tSrS0, tSrS1);
+    if (j > 0) store_partials<kFragmentOrder>(p, prev, lane, v_scale, tOrO, m_prev, l_prev);
+    ClusterBarrier::wait(&s.v_full[st], (j / kStages) & 1);
+    issue_values(s.stage[st].v, mma_o, thr_o, tOrP0, tOrP1, tOrO);
+    if constexpr (kConsumerPingPong)
+      if (wg == 0 || more) cutlass::arch::NamedBarrier::arrive(kConsumerTurnThreads, kConsumerTurn + (1 - wg));
+    warpgroup_wait<1>();  // S of item j + 1
     warpgroup_fence_operand(tSrS0);
     warpgroup_fence_operand(tSrS1);
-    __syncwarp();
-    if (lane == 0) ClusterBarrier::arrive(&s.qk_empty[st]);  // this warp no longer reads the stage's Q and K
-    float m[2], l[2];
-    probabilities(cur, c2, scale_log2, tSrS0, tSrS1, tOrP0, tOrP1, m, l);
-    const int w_next = w + 1;
-    const bool more = w_next < items.end;
-    ItemRows next = cur;
-    if (more) next = wait_item(s, k + 1, tok);  // (the producer is normally ahead: no wait)
-    ClusterBarrier::wait(&s.v_full[st], (k / kStages) & 1);
-    if constexpr (kConsumerPingPong)  // this warpgroup's turn
-      cutlass::arch::NamedBarrier::sync(kConsumerTurnThreads, kConsumerTurn + wg);
-    issue_values(s.stage[st].v, mma_o, thr_o, tOrP0, tOrP1, tOrO);
-    // the next item's S (after the last item: a harmless product of the other stage, never read)
-    issue_scores(s.stage[(k + 1) % kStages], wg, mma_s, thr_s, tSrS0, tSrS1);
-    if constexpr (kConsumerPingPong)  // the other warpgroup's turn
-      if (wg == 0 || more) cutlass::arch::NamedBarrier::arrive(kConsumerTurnThreads, kConsumerTurn + (1 - wg));
-    warpgroup_wait<1>();  // O of the current item; the next S may still run
+    float m_next[2], l_next[2];
+    if (more) {
+      release(&s.qk_empty[st1]);
+      softmax_in_place(next, c2, scale_log2, tSrS0, tSrS1, m_next, l_next);
+    }
+    warpgroup_wait<0>();  // O of item j
     warpgroup_fence_operand(tOrO);
-    __syncwarp();
-    if (lane == 0) ClusterBarrier::arrive(&s.v_empty[st]);  // this warp no longer reads the stage's V
-    store_partials<kFragmentOrder>(p, plan, cur, tok, head_in_group, group, lane, v_scale, tOrO, m, l);
+    release(&s.v_empty[st]);  // this warp no longer reads the stage's V
     if (!more) break;
+    convert_probabilities(tSrS0, tSrS1, tOrP0, tOrP1);
+    prev = cur;
     cur = next;
-    w = w_next;
-    ++k;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_prev[r] = m[r];
+      l_prev[r] = l[r];
+      m[r] = m_next[r];
+      l[r] = l_next[r];
+    }
   }
-  warpgroup_wait<0>();
+  store_partials<kFragmentOrder>(p, cur, lane, v_scale, tOrO, m, l);
 }
 
 // kFragmentOrder: the column order of the bf16 partial rows (common/partial_order.h); true is the default (fragment
