@@ -23,10 +23,11 @@
 //              (FA3's intra-warpgroup overlap): item j + 1's S runs while item j - 1's partials are stored, item j's
 //              O while item j + 1's softmax runs (setmaxnreg: the consumers take the producer warpgroup's registers).
 //              Build-time experiment (kConsumerPingPong, off; within 2% of the default before this pipeline): the two
-//              consumer warpgroups take turns issuing an iteration's MMAs
+//              consumer warpgroups take turns through an iteration's S issue, partial stores and O issue
 //   softmax  : over the whole block at once (both halves' S are in registers, exponentiated in place), 2^x by
 //              ex2.approx; a warp whose rows all see the whole block (and a positive scale) takes no mask, the max over
-//              the raw scores and the scale in one FFMA a score; otherwise a causal mask per row (key < visible)
+//              the raw scores and the scale in one FFMA a score; otherwise (diagonal and last blocks, rows past the
+//              tile's tokens, invalid pages) a causal mask per row (key < visible)
 //   output   : one normalized bf16 partial (and its lse) per (query, selected block) at the plan's rank slot, as the
 //              warp-MMA kernel writes them; the warp-MMA combine (sm80/prefill/combine_partials.cu) merges them.
 //              FP8: the tiles hold the raw e4m3 values (exact in bf16); NVFP4: e2m1 x its e4m3 block scale (exact
@@ -61,8 +62,10 @@ constexpr int kConverterWarps = 3;  // FP8 / NVFP4: warps 1-3 of the producer wa
 // Consumer ping-pong, a build-time experiment (CMake JAX_MSA_SM90_PREFILL_PINGPONG=ON; off by default; on the H200,
 // before the consumers' pipeline across items, it passed the small prefill tests and measured within 2% of the
 // default; not measured since): consumer warpgroup i waits on named barrier kConsumerTurn + i (ids past CUTLASS's
-// reserved ones) before it issues an iteration's MMAs (the next item's S, then this item's O) and, once issued, arrives
-// on the other's, so one warpgroup's softmax runs while the other's MMAs occupy the tensor cores.
+// reserved ones) before it issues an iteration's next S and, once it has issued this item's O (the partial stores and
+// the V wait in between), arrives on the other's, so one warpgroup's softmax runs while the other's MMAs occupy the
+// tensor cores. (The turn also serializes the two warpgroups' partial stores: split it around S and O before
+// measuring it again.)
 #ifndef JAX_MSA_SM90_PREFILL_PINGPONG
 #define JAX_MSA_SM90_PREFILL_PINGPONG 0
 #endif
@@ -75,9 +78,10 @@ template <KvFormat F>
 constexpr bool kConverted = F != KvFormat::kBf16;
 // Registers a thread after setmaxnreg: the producer warpgroup gives, the consumers take (S 64 + O 64 + P 32 fp32/bf16
 // registers live across the overlap). The producer keeps the next item's plan entries and (bf16) the previous item's
-// pending V load, the converters their tiles' addresses: 40 spilled. setmaxnreg moves registers inside the pool the CTA
-// was launched with (kLaunchRegisters a thread, from __launch_bounds__(kThreads, 1)), so the split must fit that pool,
-// not 64K: a consumer request beyond it never completes (setmaxnreg.inc waits forever; seen on the H200 with 48 / 232).
+// pending V load, the converters their tiles' addresses (at 40 the bf16 producer spilled). setmaxnreg moves registers
+// inside the pool the CTA was launched with (kLaunchRegisters a thread, from __launch_bounds__(kThreads, 1)), so the
+// split must fit that pool, not 64K: a consumer request beyond it never completes (setmaxnreg.inc waits forever; seen
+// on the H200 with 48 / 232).
 constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;  // 168
 template <KvFormat F>
 constexpr int kProducerRegisters = 56;

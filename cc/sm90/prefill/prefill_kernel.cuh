@@ -271,7 +271,7 @@ __device__ __forceinline__ void issue_scores(const SharedStorage::Stage& sg, int
 }
 
 // 2^x on the MUFU unit (ex2.approx.ftz: 2 ulp, -inf -> +0). exp2f adds a subnormal fix-up of four instructions a value;
-// the values here are at most 1 and feed a bf16 P and an fp32 row sum of at least 1.
+// the values here are at most 1 (up to the rounding of m) and feed a bf16 P and an fp32 row sum of at least 1.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -281,10 +281,11 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // The softmax of this thread's two rows over the block, in place: S -> exp2(S scale_log2 - m) (fp32), m the row max in
 // log2 units (-inf for a row that sees nothing) and l this lane's share of the row sum. Element 4 j + e of a half: row
 // (e / 2) of the pair, key 64 h + 8 j + c2 + e % 2 (the m64nNk16 accumulator layout).
-// Two paths, chosen per warp: when every row of the warp sees the whole block (all but the tiles on a request's
-// diagonal or last block) and the scale is positive, no mask, the max over the raw scores and the scale folded into
-// one FFMA a score; otherwise each score is scaled, then masked (key < the row's visible keys: keys nobody sees hold
-// whatever the stage's K tile held, possibly the page's non-finite bytes past the request).
+// Two paths, chosen per warp: when every row of the warp sees the whole block (not on a request's diagonal or last
+// block, no row past the tile's tokens, a valid page) and the scale is positive, no mask, the max over the raw scores
+// and the scale folded into one FFMA a score; otherwise each score is scaled, then masked (key < the row's visible
+// keys: keys nobody sees hold whatever the stage's K tile held, possibly the page's non-finite bytes past the
+// request).
 template <class TS>
 __device__ __forceinline__ void softmax_in_place(const ItemRows& it, int c2, float scale_log2, TS& tSrS0, TS& tSrS1,
                                                  float (&m)[2], float (&l)[2]) {
@@ -453,9 +454,9 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   Tensor tOrP0 = make_tensor<Element>(PLayout{});
   Tensor tOrP1 = make_tensor<Element>(PLayout{});
 
-  // Ping-pong (kConsumerPingPong): warpgroup 1 hands warpgroup 0 the first turn; a turn spans one iteration's MMA
-  // issues (the next S, then O). Both warpgroups walk the same items, so the turns pair up; warpgroup 1 skips its
-  // last hand-over, which nobody would wait for.
+  // Ping-pong (kConsumerPingPong): warpgroup 1 hands warpgroup 0 the first turn; a turn spans an iteration from the
+  // next S's issue to this item's O's (the partial stores and the V wait included). Both warpgroups walk the same
+  // items, so the turns pair up; warpgroup 1 skips its last hand-over, which nobody would wait for.
   if constexpr (kConsumerPingPong)
     if (wg == 1) cutlass::arch::NamedBarrier::arrive(kConsumerTurnThreads, kConsumerTurn + 0);
   auto release = [&](uint64_t* barrier) {
