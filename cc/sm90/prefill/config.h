@@ -83,17 +83,11 @@ constexpr bool kConverted = F != KvFormat::kBf16;
 // split must fit that pool, not 64K: a consumer request beyond it never completes (setmaxnreg.inc waits forever; seen
 // on the H200 with 48 / 232).
 constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;  // 168
-template <KvFormat F>
-constexpr int kProducerRegisters = 56;
-template <KvFormat F>
+constexpr int kProducerRegisters = 56;   // every format since v6
 constexpr int kConsumerRegisters = 224;
-template <KvFormat F>
-constexpr bool kRegistersFitPool = kWarpgroupThreads * (kProducerRegisters<F> + kConsumerWarpgroups *
-                                                        kConsumerRegisters<F>) <= kThreads * kLaunchRegisters;
-// (this assert also instantiates the variable templates: nvcc 13.0 rejects one first instantiated as the template
-// argument of warpgroup_reg_alloc / _dealloc)
-static_assert(kRegistersFitPool<KvFormat::kBf16> && kRegistersFitPool<KvFormat::kFp8> &&
-              kRegistersFitPool<KvFormat::kNvfp4>);
+static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
+                  kThreads * kLaunchRegisters,
+              "the setmaxnreg split must fit the pool the CTA launches with");
 
 constexpr int kRowBytes = kHeadDim * 2;                      // one bf16 row of 128 dims
 constexpr int kColumnHalfBytes = kBlockKeys * 128;           // one 64-dim column half of a 128-row tile (16 KB)

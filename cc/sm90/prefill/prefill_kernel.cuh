@@ -550,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
   __syncthreads();
   const int wg = threadIdx.x / kWarpgroupThreads;
   if (wg == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters<F>>();
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
       produce_items<F>(a, storage, plan, items);
@@ -558,7 +558,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
       convert_items<F>(s, storage, items, warp - 1);
     }
   } else {
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters<F>>();
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
     consume_items<F, kFragmentOrder>(a, s, plan, items, wg - 1);
   }
 #else
