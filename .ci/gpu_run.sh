@@ -192,7 +192,10 @@ stage_sanitize() {
   # The platform allocator gives every buffer its own allocation, so out-of-bounds accesses are not hidden inside
   # XLA's memory pool; no autotuning keeps the run short. XLA command buffers (CUDA graphs) are off: with them the
   # sanitized process segfaulted without a report in the prefill stage-reuse test, while the same test passed
-  # memcheck with them off (2026-12-03). The command-buffer path itself is covered by `test`.
+  # memcheck with them off (2026-12-03). With them off the process has since segfaulted too, once in the first
+  # stage-reuse case (2026-12-04, fifteenth session) and once after all 6 prefill cases had passed, at exit before the
+  # tool's summary (sixteenth); no memcheck error was printed either time. The command-buffer path itself is covered
+  # by `test`.
   local -a LAUNCHER=(compute-sanitizer --tool memcheck --error-exitcode 1 --report-api-errors no)
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \

@@ -446,14 +446,16 @@ def test_cpu_prefill_handler_consumes_any_tile_size():
 
 
 @pytest.mark.parametrize("shape,key_bound", [
-    ((3, 1000), 7),           # composite key * N + index fits 32 bits: one single-operand sort
-    ((2, 70000), 40000),      # it does not: a (key, index) pair sort (the 128k plan's edge sort)
+    ((3, 1000), 7),           # the folded key fits 16 bits: a (uint16 key, index) pair sort (the 32k / 128k plans)
+    ((2, 1000), 32768),       # the same at its edge: bound 2**16, keys up to 65535
+    ((2, 1000), 40000),       # composite key * N + index fits 32 bits: one single-operand sort
+    ((2, 70000), 40000),      # it does not: an (int32 key, index) pair sort
     ((5, 3000), 2**30),       # even the folded key needs 32 bits: argsort along the last axis
     ((1, 5), 3),
     ((4, 0), 3),
 ])
 def test_stable_sort_by_key_paths(shape, key_bound):
-    """The 1-D folded sort the plan uses, on each of its three paths, against numpy's stable argsort."""
+    """The 1-D folded sort the plan uses, on each of its four paths, against numpy's stable argsort."""
     from jax_msa.plan import _stable_sort_by_key
 
     key = np.random.default_rng(key_bound).integers(0, key_bound, shape).astype(np.int32)
