@@ -90,6 +90,17 @@ def test_prefill_long_request(fmt):
     check(p, fmt)
 
 
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_prefill_topk_32(fmt):
+    """K = 32 (the issue's largest top-k): up to 32 partials a query, so the combine merges them in 4 batches of 8
+    (combine_partials.cu); G = 16 and G = 8 requests over a long prefix (48 blocks to choose from)."""
+    for group in (16, 8):
+        p = make_problem(43 + int(fmt) + group, q_lens=[700, 129], seq_lens=[6100, 129], num_q_heads=2 * group,
+                         num_kv_heads=2, topk=32, hole_frac=0.05, dup_frac=0.05, oob_frac=0.05,
+                         cache_from_kv=cache_maker(fmt))
+        check(p, fmt)
+
+
 def test_prefill_corners():
     # all-hole rows, a block chosen by every query, a request of one token
     p = make_problem(11, q_lens=[600, 1], seq_lens=[900, 50], num_q_heads=16, num_kv_heads=1, topk=16,
