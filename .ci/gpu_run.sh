@@ -8,7 +8,7 @@
 #                                     test takes ~9, estimated: a 465 s run did 96 of its 118 tests; so run
 #                                     test_decode, ~4, and test_prefill, ~5, in separate calls, and the default list
 #                                     no longer fits one call),
-#                                     test_off + test_pipelined ~4, sanitize ~2)
+#                                     test_off + test_pipelined ~4, sanitize ~3: one process a test)
 #
 #   build     dist/*.whl present: install that wheel into /tmp/site; otherwise build in-tree with
 #             .ci/build_inplace.sh (JAX_MSA_CUDA=ON, JOBS=16). CUTLASS headers come from the nvidia-cutlass wheel
@@ -23,8 +23,8 @@
 #                   ~4 min)
 #   test_natural_order  the prefill tests with the sm90 partials in the natural column order
 #                   (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0; ~3 min)
-#   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases; SANITIZE_SELECT=EXPR: only
-#             those matching pytest -k EXPR), XLA command buffers off
+#   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases, one process a test;
+#             SANITIZE_SELECT=EXPR: only those matching pytest -k EXPR), XLA command buffers off
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
 #   compare   the same timings for this tree's modules and for a baseline's (prebuilt_base/_jax_msa_*.so, e.g. the
@@ -126,12 +126,13 @@ EOF
 }
 
 # pytest against the jax_msa chosen above, from a scratch directory; .ci/pytest_ci_checks.py checks which jax_msa
-# is imported and fails a run in which no test passed (exit code 5). Started through ${LAUNCHER[@]} when a stage sets it.
+# is imported and fails a run in which no test passed (exit code 5). Started through ${LAUNCHER[@]} when a stage sets it;
+# PYTEST_TARGET (default: the tests folder) narrows it to one test file or node id.
 LAUNCHER=()
 run_pytest() {
   local junit="$1"; shift
   (cd "${SCRATCH}" && PYTHONPATH="${REPO}/.ci:${PYTHONPATH}" JAX_MSA_EXPECTED_DIR="${PACKAGE_PARENT}" \
-    ${LAUNCHER[@]+"${LAUNCHER[@]}"} "${PY}" -m pytest "${REPO}/tests" -q -p pytest_ci_checks \
+    ${LAUNCHER[@]+"${LAUNCHER[@]}"} "${PY}" -m pytest "${PYTEST_TARGET:-${REPO}/tests}" -q -p pytest_ci_checks \
     -p no:cacheprovider --junitxml="${junit}" "$@")
   local rc=$?
   (( rc == 5 )) && echo "pytest: no test ran for $* (none collected, or all skipped)"
@@ -190,16 +191,40 @@ stage_test_natural_order() {
 stage_sanitize() {
   command -v compute-sanitizer >/dev/null 2>&1 || { echo "sanitize: compute-sanitizer not found"; return 1; }
   # The platform allocator gives every buffer its own allocation, so out-of-bounds accesses are not hidden inside
-  # XLA's memory pool; no autotuning keeps the run short. XLA command buffers (CUDA graphs) are off: with them the
-  # sanitized process segfaulted without a report in the prefill stage-reuse test, while the same test passed
-  # memcheck with them off (2026-12-03). With them off the process has since segfaulted too, once in the first
-  # stage-reuse case (2026-12-04, fifteenth session) and once after all 6 prefill cases had passed, at exit before the
-  # tool's summary (sixteenth); no memcheck error was printed either time. The command-buffer path itself is covered
-  # by `test`.
+  # XLA's memory pool; no autotuning keeps the run short; XLA command buffers (CUDA graphs) are off (the command-buffer
+  # path is covered by `test`). Each selected test runs in its own sanitized process: with several in one process the
+  # process segfaulted, without a memcheck report, at a varying point (2026-12-03 with command buffers on; in the
+  # first stage-reuse case in the fifteenth session; after all 6 prefill cases in the sixteenth; in the sixth case in
+  # the seventeenth), while each of the 6 prefill cases alone passed with "ERROR SUMMARY: 0 errors" (seventeenth).
   local -a LAUNCHER=(compute-sanitizer --tool memcheck --error-exitcode 1 --report-api-errors no)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
-    run_pytest "${LOG_DIR}/junit_sanitize.xml" -m "gpu and sanitize" ${SANITIZE_SELECT:+-k "${SANITIZE_SELECT}"}
+  local -a ids
+  local collected collect_rc=0
+  collected="$(cd "${SCRATCH}" && "${PY}" -m pytest "${REPO}/tests" -q --collect-only -p no:cacheprovider \
+      -m "gpu and sanitize" ${SANITIZE_SELECT:+-k "${SANITIZE_SELECT}"} 2>&1)" || collect_rc=$?
+  # 5: nothing selected (reported below); anything else non-zero, e.g. a test module that fails to import: fail here
+  # rather than sanitize the tests of the other modules and call the stage clean
+  if (( collect_rc != 0 && collect_rc != 5 )); then
+    echo "${collected}"
+    echo "sanitize: test collection failed (pytest exit ${collect_rc})"
+    return 1
+  fi
+  mapfile -t ids < <(grep -E '^tests/[^ ]+::' <<< "${collected}")
+  if (( ${#ids[@]} == 0 )); then
+    echo "sanitize: no test selected (-m 'gpu and sanitize'${SANITIZE_SELECT:+ -k '${SANITIZE_SELECT}'})"
+    return 1
+  fi
+  local id rc=0 i=0 failed=()
+  for id in "${ids[@]}"; do
+    i=$((i + 1))
+    echo "--- memcheck ${i}/${#ids[@]}: ${id}"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
+    PYTEST_TARGET="${REPO}/${id}" run_pytest "${LOG_DIR}/junit_sanitize_${i}.xml" -m "gpu and sanitize" \
+      || { rc=1; failed+=("${id}"); }
+  done
+  (( rc == 0 )) && echo "sanitize: ${#ids[@]} of ${#ids[@]} tests clean" \
+    || echo "sanitize: $(( ${#ids[@]} - ${#failed[@]} )) of ${#ids[@]} clean; failed: ${failed[*]}"
+  return "${rc}"
 }
 
 stage_bench() {

@@ -2,7 +2,8 @@
 with nvcc (their numerics are checked on the H200 by test_gpu_prefill.py): warpgroup MMAs (HGMMA) for S = Q K^T and
 O = P V, TMA loads (UTMALDG; NVFP4's cache slots by bulk copies, UBLKCP), register reconfiguration, no spills, none of
 ptxas's "wgmma serialized" diagnostics (C7520), which a wgmma under a data-dependent branch would bring back, and the
-16-byte partial stores of the fragment-order instantiation (the default); and that the consumer ping-pong experiment
+16-byte partial stores of the fragment-order instantiation (the default), shared memory accessed as such (no generic
+loads / stores) and P packed into the O wgmma's registers without PRMTs; and that the consumer ping-pong experiment
 (JAX_MSA_SM90_PREFILL_PINGPONG, off by default) adds its named barriers only when built."""
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def test_wgmma_prefill_sass(compiled):
     # halving) before it
     assert re.search(r"MUFU\.EX2", sass) and not re.search(r"FSETP\.GEU\.AND P\d, PT, R\d+, -126", sass), fmt
     assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"
+    # the shared storage keeps its address space (LDS / STS): no generic LD / ST, which the 1 KB alignment of the
+    # dynamic base through an integer had made of every access to it (the tile meta the consumers read per item)
+    assert not re.search(r"\b(?:LD|ST)\.E\b", sass), "generic loads / stores"
+    # P = bf16(exp2(S - m)) is packed pairwise straight into the O wgmma's A registers: no PRMT moving bf16 halves
+    # into place (converted element by element, ptxas added 32 a kernel right before the O wgmma)
+    assert not re.search(r"\bPRMT R\d+, R\d+(?:\.reuse)?, 0x(?:5410|7632), R", sass), "P repacked by PRMT"
     # fragment order: each thread stores a partial row's 32 values as four 16-byte stores (2 rows a thread)
     assert len(re.findall(r"\bSTG\.E\.128\b", sass)) >= 8, "no 16-byte partial stores"
     # the default build has no ping-pong: the only CTA-wide barrier is the __syncthreads after the barrier setup

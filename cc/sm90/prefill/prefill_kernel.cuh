@@ -28,11 +28,13 @@ using cutlass::arch::ClusterBarrier;
 using cutlass::arch::ClusterTransactionBarrier;
 
 // The dynamic shared memory, its base rounded up to 1 KB (the 128-byte swizzle pattern repeats every 1 KB, and TMA and
-// wgmma both derive it from the address).
+// wgmma both derive it from the address). The padding comes from the shared-window offset and is added to the pointer
+// itself: a round trip through an integer would lose the shared address space, and every access through the storage
+// (the tile meta the consumers read per item) would become a generic LD / ST.
 template <KvFormat F>
 __device__ __forceinline__ Storage<F>& shared_storage(uint8_t* raw) {
-  const uintptr_t aligned = (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023);
-  return *reinterpret_cast<Storage<F>*>(aligned);
+  const uint32_t offset = static_cast<uint32_t>(__cvta_generic_to_shared(raw));
+  return *reinterpret_cast<Storage<F>*>(raw + ((1024u - (offset & 1023u)) & 1023u));
 }
 
 __device__ __forceinline__ SharedStorage& shared_part(SharedStorage& s) { return s; }
@@ -331,13 +333,19 @@ __device__ __forceinline__ void softmax_in_place(const ItemRows& it, int c2, flo
   }
 }
 
-// P = bf16(exp2(S - m)): the A operand of O = P V, element for element.
+// P = bf16(exp2(S - m)): the A operand of O = P V, element for element. Elements 2 k and 2 k + 1 (one row, two
+// adjacent keys) share a 32-bit register of the A fragment, so each pair is one cvt.rn.bf16x2 written straight into
+// it. (Converted element by element, ptxas paired element i of both halves in one F2FP and then moved the halves into
+// place with 32 PRMTs right before the O wgmma.)
 template <class TS, class TP>
 __device__ __forceinline__ void convert_probabilities(const TS& tSrS0, const TS& tSrS1, TP& tOrP0, TP& tOrP1) {
+  auto words0 = cute::recast<uint32_t>(tOrP0);
+  auto words1 = cute::recast<uint32_t>(tOrP1);
+  static_assert(cute::size(decltype(words0){}) == 16);
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    tOrP0(i) = Element(tSrS0(i));
-    tOrP1(i) = Element(tSrS1(i));
+  for (int k = 0; k < 16; ++k) {
+    words0(k) = sm80::pack_bf16x2(tSrS0(2 * k), tSrS0(2 * k + 1));
+    words1(k) = sm80::pack_bf16x2(tSrS1(2 * k), tSrS1(2 * k + 1));
   }
 }
 
