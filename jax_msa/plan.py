@@ -82,9 +82,9 @@ def _stable_sort_by_key(key, key_bound: int):
     The leading axes are folded into the key (row r's keys offset by r * key_bound) so that the sort is one 1-D
     sort, which XLA's GPU backend runs as a cub radix sort (a batched sort runs as its own, much slower, bitonic
     sort kernel): a sort of (uint16 key, index) pairs when the folded key fits 16 bits (two radix passes; for the edge
-    sort, Hkv * (plan rows + 1) <= 65536: 1028 at 32k and 4100 at 128k with 4 KV heads), else a single-operand sort of the composite key * N + index (uint32) when that fits 32 bits,
-    else a sort of (int32 key, index) pairs; a stable argsort along the last axis when even the folded key needs 32
-    bits."""
+    sort, Hkv * (plan rows + 1) <= 65536: 1028 at 32k and 4100 at 128k with 4 KV heads), else a single-operand sort
+    of the composite key * N + index (uint32) when that fits 32 bits, else a sort of (int32 key, index) pairs; a
+    stable argsort along the last axis when even the folded key needs 32 bits."""
     shape = key.shape
     n = shape[-1]
     rows = math.prod(shape[:-1])
