@@ -50,6 +50,12 @@ def test_wgmma_prefill_sass(compiled):
     # P = bf16(exp2(S - m)) is packed pairwise straight into the O wgmma's A registers: no PRMT moving bf16 halves
     # into place (converted element by element, ptxas added 32 a kernel right before the O wgmma)
     assert not re.search(r"\bPRMT R\d+, R\d+(?:\.reuse)?, 0x(?:5410|7632), R", sass), "P repacked by PRMT"
+    # the consumer warpgroup index comes from a shuffle (warp-uniform), so the S wgmmas' descriptors live in uniform
+    # registers: no R2UR moves them there right before a wgmma (threadIdx.x / 128 put two before each of the 16)
+    lines = sass.splitlines()
+    s_wgmma = [i for i, line in enumerate(lines) if "HGMMA.64x64x16" in line]
+    assert s_wgmma and not any("R2UR" in line for i in s_wgmma for line in lines[max(0, i - 4):i]), \
+        "S wgmma descriptors moved into uniform registers per wgmma"
     # fragment order: each thread stores a partial row's 32 values as four 16-byte stores (2 rows a thread)
     assert len(re.findall(r"\bSTG\.E\.128\b", sass)) >= 8, "no 16-byte partial stores"
     # the default build has no ping-pong: the only CTA-wide barrier is the __syncthreads after the barrier setup

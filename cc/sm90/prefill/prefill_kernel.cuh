@@ -556,7 +556,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
     if (a.p.num_pages > 0 && F != KvFormat::kNvfp4) cute::prefetch_tma_descriptor(&a.kv_map);
   }
   __syncthreads();
-  const int wg = threadIdx.x / kWarpgroupThreads;
+  // warp-uniform by construction (a shuffle from lane 0): the consumers' wgmma descriptors, which depend on it, can then
+  // live in uniform registers instead of being moved there (R2UR) before every wgmma
+  const int wg = cutlass::canonical_warp_group_idx();
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     const int warp = threadIdx.x / 32;
