@@ -17,6 +17,12 @@ struct WorkItem {
   int edge_count;  // queries in the tile (>= 1 for a valid item)
 };
 
+// A work item's entry as stored (4 int32: head, row = b * MB + block, edge_begin, edge_count), not yet decoded: a
+// kernel can issue its load early and decode it once it has landed.
+struct RawWorkItem {
+  int head, row, edge_begin, edge_count;
+};
+
 struct PlanView {
   const int32_t* row_ptr;
   const int32_t* edge_query;
@@ -43,11 +49,14 @@ struct PlanView {
     return n < 0 ? 0 : (n > work_capacity ? work_capacity : n);
   }
 
-  MSA_HD WorkItem item(int w) const {
+  MSA_HD RawWorkItem raw_item(int w) const {
     const int32_t* it = work + 4 * int64_t(w);
-    const int row = it[1];
-    return WorkItem{it[0], row / max_blocks, row % max_blocks, it[2], it[3]};
+    return RawWorkItem{it[0], it[1], it[2], it[3]};
   }
+  MSA_HD WorkItem decode(const RawWorkItem& r) const {
+    return WorkItem{r.head, r.row / max_blocks, r.row % max_blocks, r.edge_begin, r.edge_count};
+  }
+  MSA_HD WorkItem item(int w) const { return decode(raw_item(w)); }
 
   MSA_HD int query(int head, int edge) const { return edge_query[int64_t(head) * num_edges + edge]; }
   MSA_HD int rank(int head, int edge) const { return edge_rank[int64_t(head) * num_edges + edge]; }

@@ -18,6 +18,13 @@ struct TileQueries {
   int query[kMaxTileRows], rank[kMaxTileRows], visible[kMaxTileRows];
 };
 
+// An item's block entries (the request's length, the page), loaded but not yet used: ItemView::make in two steps, so
+// that a producer can keep them in flight while it waits for a stage.
+struct ItemLoads {
+  WorkItem item;
+  int seq_len, page;  // (kept as loaded: widening the page would wait for it)
+};
+
 // One work item of the plan and the block it names.
 struct ItemView {
   WorkItem item;
@@ -25,16 +32,24 @@ struct ItemView {
   int64_t page;
   bool page_ok;
 
-  static __device__ __forceinline__ ItemView make(const PrefillParams& p, const PlanView& plan, int w) {
+  static __device__ __forceinline__ ItemLoads load(const PrefillParams& p, const WorkItem& item) {
+    return ItemLoads{item, p.seq_lens[item.request], p.block_table[int64_t(item.request) * p.max_blocks + item.block]};
+  }
+
+  static __device__ __forceinline__ ItemView from(const PrefillParams& p, const ItemLoads& l) {
     ItemView v;
-    v.item = plan.item(w);
+    v.item = l.item;
     v.group = p.num_q_heads / p.num_kv_heads;
     v.count = min(v.item.edge_count, kMaxTileRows / v.group);
     v.block_key0 = v.item.block * kPageSize;
-    v.n_keys = max(0, min(kPageSize, p.seq_lens[v.item.request] - v.block_key0));
-    v.page = p.block_table[int64_t(v.item.request) * p.max_blocks + v.item.block];
+    v.n_keys = max(0, min(kPageSize, l.seq_len - v.block_key0));
+    v.page = l.page;  // int32 -> int64
     v.page_ok = v.page >= 0 && v.page < p.num_pages;
     return v;
+  }
+
+  static __device__ __forceinline__ ItemView make(const PrefillParams& p, const PlanView& plan, int w) {
+    return from(p, load(p, plan.item(w)));
   }
 };
 

@@ -48,6 +48,7 @@ constexpr uint64_t kEvictNormal = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMA
 // Rows [n_keys, 128) of a stage's V tile: zero (whatever the page holds past the request; the warp's 32 lanes).
 __device__ __forceinline__ void zero_value_rows(uint8_t* v_tile, int n_keys, int lane) {
   const int units = (kBlockKeys - n_keys) * 16;  // 16-byte units: 8 a row in each of the two column halves
+#pragma unroll 1  // a request's last block only: not unrolled, so the producer's registers hold (its plan read-ahead)
   for (int u = lane; u < units; u += 32) {
     const int row = n_keys + (u >> 4), half = (u >> 3) & 1, unit = u & 7;
     *reinterpret_cast<uint4*>(v_tile + half * kColumnHalfBytes + row * 128 + unit * 16) = make_uint4(0u, 0u, 0u, 0u);
@@ -62,16 +63,41 @@ struct ProducerItem {
   int count, token, rank, visible, visible_max;
 };
 
-__device__ __forceinline__ ProducerItem read_item(const PrefillParams& p, const PlanView& plan, int w, int lane) {
+// The same entries loaded but not yet used (lane i: token i's edge; the end of its request's queries). The plan is a
+// chain of dependent loads (the item, then its block's and its tokens' entries): the producer keeps each step an item
+// ahead of the next (raw item -> these loads -> ProducerItem), so that none of them is waited for in the item's turn
+// (read in one go, the chain held the producer about as long as the consumers took for an item: the consumers waited
+// for Q|K).
+struct ProducerLoads {
+  cuda::ItemLoads block;
+  int token, rank, q_end;  // q_end = cu_seqlens_q[b + 1]: token t's position is seq_len - q_end + t
+};
+
+// Item `item`'s loads (valid = false: past the CTA's items; nothing is read).
+__device__ __forceinline__ ProducerLoads load_item(const PrefillParams& p, const PlanView& plan, bool valid,
+                                                   const WorkItem& item, int lane) {
+  ProducerLoads l{};
+  if (!valid) return l;
+  l.block = cuda::ItemView::load(p, item);
+  const int group = p.num_q_heads / p.num_kv_heads;
+  if (lane < min(min(item.edge_count, cuda::kMaxTileRows / group), kMaxTokens)) {
+    const int e = item.edge_begin + lane;
+    l.token = plan.query(item.head, e);
+    l.rank = plan.rank(item.head, e);
+    l.q_end = p.cu_seqlens_q[item.request + 1];
+  }
+  return l;
+}
+
+__device__ __forceinline__ ProducerItem finish_item(const PrefillParams& p, const ProducerLoads& l, int lane) {
   ProducerItem r;
-  r.v = cuda::ItemView::make(p, plan, w);
+  r.v = cuda::ItemView::from(p, l.block);
   r.count = min(r.v.count, kMaxTokens);
   r.token = r.rank = r.visible = 0;
   if (lane < r.count) {
-    const int e = r.v.item.edge_begin + lane;
-    r.token = plan.query(r.v.item.head, e);
-    r.rank = plan.rank(r.v.item.head, e);
-    const int pos = query_position(p.cu_seqlens_q, p.seq_lens, r.v.item.request, r.token);
+    r.token = l.token;
+    r.rank = l.rank;
+    const int pos = l.block.seq_len - l.q_end + r.token;  // query_position, cu_seqlens_q[b] cancelled
     r.visible = r.v.page_ok ? max(0, min(r.v.n_keys, pos - r.v.block_key0 + 1)) : 0;
   }
   r.visible_max = r.visible;
@@ -86,8 +112,8 @@ __device__ __forceinline__ ProducerItem read_item(const PrefillParams& p, const 
 // (bf16) the block's K column halves, then the previous item's V once its stage is handed back (V lags one item: the
 // consumers hand a stage's V back at the end of an item, later than its Q|K, and the next Q|K must not wait for that),
 // or (FP8 / NVFP4) load the block's raw K and V bytes into the converters' buffers as each is handed back (FP8: a TMA
-// box of the K or V byte columns; NVFP4: one bulk copy of the head's K or V cache slot). The next item's plan entries
-// (a chain of dependent global loads) are read right after, while the consumers still hold the stages. An item nobody
+// box of the K or V byte columns; NVFP4: one bulk copy of the head's K or V cache slot). The plan entries of the
+// next items are read ahead, a step of their chain of dependent loads an item (ProducerLoads). An item nobody
 // sees (invalid page) loads nothing; its barriers complete on the arrivals alone. A stage that already holds the item's
 // block (held[]) gets only the query rows: no K / V copies, no raw bytes for the converters.
 template <KvFormat F>
@@ -131,7 +157,13 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
       if (lane == 0) ClusterBarrier::arrive(&s.v_full[pv.st]);
     }
   };
-  ProducerItem next = read_item(p, plan, items.begin, lane);
+  // The plan entries, read ahead (see ProducerLoads): item w + 3's raw entry and item w + 2's loads in flight while
+  // item w is produced, item w + 1 finished.
+  auto raw_at = [&](int w) { return w < items.end ? plan.raw_item(w) : RawWorkItem{0, 0, 0, 0}; };
+  ProducerItem next = finish_item(p, load_item(p, plan, true, plan.item(items.begin), lane), lane);  // (not empty)
+  ProducerLoads loads_ahead =
+      load_item(p, plan, items.begin + 1 < items.end, plan.decode(raw_at(items.begin + 1)), lane);
+  RawWorkItem raw_ahead = raw_at(items.begin + 2);
   int k = 0;
   for (int w = items.begin; w < items.end; ++w, ++k) {
     const ProducerItem r = next;
@@ -207,7 +239,11 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
       if (pending.any) load_values(pending);
       pending = {true, load_kv, st, kv_row, v.n_keys, phase};
     }
-    if (w + 1 < items.end) next = read_item(p, plan, w + 1, lane);
+    if (w + 1 < items.end) {
+      next = finish_item(p, loads_ahead, lane);
+      loads_ahead = load_item(p, plan, w + 2 < items.end, plan.decode(raw_ahead), lane);
+      raw_ahead = raw_at(w + 3);
+    }
   }
   if constexpr (!kRaw)
     if (pending.any) load_values(pending);
@@ -556,8 +592,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
     if (a.p.num_pages > 0 && F != KvFormat::kNvfp4) cute::prefetch_tma_descriptor(&a.kv_map);
   }
   __syncthreads();
-  // warp-uniform by construction (a shuffle from lane 0): the consumers' wgmma descriptors, which depend on it, can then
-  // live in uniform registers instead of being moved there (R2UR) before every wgmma
+  // warp-uniform by construction (a shuffle from lane 0): the consumers' wgmma descriptors, which depend on it, can
+  // then live in uniform registers instead of being moved there (R2UR) before every wgmma
   const int wg = cutlass::canonical_warp_group_idx();
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
