@@ -64,10 +64,12 @@ struct ProducerItem {
 };
 
 // The same entries loaded but not yet used (lane i: token i's edge; the end of its request's queries). The plan is a
-// chain of dependent loads (the item, then its block's and its tokens' entries): the producer keeps each step an item
-// ahead of the next (raw item -> these loads -> ProducerItem), so that none of them is waited for in the item's turn
-// (read in one go, the chain held the producer about as long as the consumers took for an item: the consumers waited
-// for Q|K).
+// chain of dependent loads (the item, then its block's and its tokens' entries). Read in one go, the chain held the
+// producer for two global round trips an item, about as long as the consumers took for one (they waited for Q|K). The
+// producer now keeps each step an item ahead of the next (raw item -> these loads -> ProducerItem): what it issues at
+// the end of a turn is independent loads, one round trip. (ptxas still waits for them early in the next turn, bf16
+// after its wait for a free stage, NVFP4 at the loop head: loads in flight across the back edge share one
+// scoreboard.)
 struct ProducerLoads {
   cuda::ItemLoads block;
   int token, rank, q_end;  // q_end = cu_seqlens_q[b + 1]: token t's position is seq_len - q_end + t
@@ -157,8 +159,9 @@ __device__ __forceinline__ void produce_items(const TmaPrefillArgs& a, Storage<F
       if (lane == 0) ClusterBarrier::arrive(&s.v_full[pv.st]);
     }
   };
-  // The plan entries, read ahead (see ProducerLoads): item w + 3's raw entry and item w + 2's loads in flight while
-  // item w is produced, item w + 1 finished.
+  // The plan entries, read ahead (see ProducerLoads): at the top of turn w, `next` holds item w, `loads_ahead` item
+  // w + 1's loads and `raw_ahead` item w + 2's raw entry; the turn's end finishes w + 1, issues w + 2's loads and
+  // reads w + 3's raw entry.
   auto raw_at = [&](int w) { return w < items.end ? plan.raw_item(w) : RawWorkItem{0, 0, 0, 0}; };
   ProducerItem next = finish_item(p, load_item(p, plan, true, plan.item(items.begin), lane), lane);  // (not empty)
   ProducerLoads loads_ahead =
