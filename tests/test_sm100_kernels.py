@@ -32,3 +32,7 @@ def test_tcgen05_sass(tools, unit, kernel, tmp_path):
     # loads of the two softmax passes and of the output
     assert counts["UTCHMMA"] >= 16, counts
     assert counts["LDTM"] >= 3, counts
+    # shared memory is written as such: the operand and P tiles' element addresses come from CuTe's swizzle, which
+    # XORs the address bits, so plain stores through them compiled to generic ST (cuda/shared_memory.cuh); global
+    # memory by LDG / STG
+    assert not re.search(r"\b(?:LD|ST)\.E\b", sass), "generic loads or stores"

@@ -8,6 +8,7 @@
 
 #include "common/numeric.h"
 #include "common/params.h"
+#include "cuda/shared_memory.cuh"
 #include "sm100/common/kv_unit.cuh"
 #include "sm100/common/tcgen05.cuh"
 #include "sm100/decode/config.h"
@@ -65,8 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
   const int pos = seq_len - p.q_len + t % p.q_len;
   const int64_t tokens = int64_t(p.batch) * p.q_len;
 
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + SharedPlan::kAlign - 1) &
-                                             ~uintptr_t(SharedPlan::kAlign - 1));
+  uint8_t* smem = cuda::align_shared<SharedPlan::kAlign>(smem_raw);
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kKVOffset)), LayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kKVOffset)), LayoutV{});
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kQOffset)), LayoutQ{});
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
                        : *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.q) + elem);
     }
     const int d = 8 * u;
-    *reinterpret_cast<uint4*>(&sQ(make_coord(make_coord(h, d % 16), 0, d / 16))) = val;
+    cuda::store_shared_16(&sQ(make_coord(make_coord(h, d % 16), 0, d / 16)), val);
   }
   const uint32_t tmem = tmem_alloc_and_init_barrier(TmemPlan::kColumns, &s_tmem_base, &s_mma_done);
   const int n = s_num_blocks;
@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
       const int key = j / kUnitsPerRow, u = j % kUnitsPerRow, d = 8 * u;
       const uint4 val = key < ref.visible ? load_kv_unit<F>(p.kv_cache, p.num_kv_heads, ref.page, g, key, kv, u)
                                           : make_uint4(0u, 0u, 0u, 0u);
-      if (kv == 0) *reinterpret_cast<uint4*>(&sK(make_coord(make_coord(key, d % 16), 0, d / 16))) = val;
-      else *reinterpret_cast<uint4*>(&sV(make_coord(make_coord(d, key % 16), 0, key / 16))) = val;
+      if (kv == 0) cuda::store_shared_16(&sK(make_coord(make_coord(key, d % 16), 0, d / 16)), val);
+      else cuda::store_shared_16(&sV(make_coord(make_coord(d, key % 16), 0, key / 16)), val);
     }
     cutlass::arch::fence_view_async_shared();
     tcgen05_before_thread_sync();
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
     for (int h = 0; h < kHeads; ++h) {
       const float pr = live && m[h] != -INFINITY ? exp2f(s[h] * scale_log2 - m[h]) : 0.0f;
       l[h] += pr;
-      sPi(make_coord(make_coord(h, tid % 16), 0, tid / 16)) = Bf16(pr);
+      cuda::store_shared_2(&sPi(make_coord(make_coord(h, tid % 16), 0, tid / 16)), Bf16(pr).raw());
     }
   }
   reduce_heads<false>(l, s_red);

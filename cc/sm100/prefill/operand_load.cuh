@@ -8,6 +8,7 @@
 #include "common/numeric.h"
 #include "common/params.h"
 #include "cuda/prefill_work_item.cuh"
+#include "cuda/shared_memory.cuh"
 #include "sm100/common/kv_unit.cuh"
 #include "sm100/prefill/config.h"
 
@@ -26,8 +27,8 @@ __device__ __forceinline__ void load_block(TensorK& sK, TensorV& sV, const Prefi
     const uint4 val = key < visible ? load_kv_unit<F>(p.kv_cache, p.num_kv_heads, v.page, g, key, kv, u)
                                     : make_uint4(0u, 0u, 0u, 0u);
     const int d = 8 * u;
-    if (kv == 0) *reinterpret_cast<uint4*>(&sK(cute::make_coord(cute::make_coord(key, d % 16), 0, d / 16))) = val;
-    else *reinterpret_cast<uint4*>(&sV(cute::make_coord(cute::make_coord(d, key % 16), 0, key / 16))) = val;
+    if (kv == 0) cuda::store_shared_16(&sK(cute::make_coord(cute::make_coord(key, d % 16), 0, d / 16)), val);
+    else cuda::store_shared_16(&sV(cute::make_coord(cute::make_coord(d, key % 16), 0, key / 16)), val);
   }
 }
 
@@ -46,7 +47,7 @@ __device__ __forceinline__ void load_query_tile(TensorQ& sQ, const PrefillParams
                        : *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.q) + elem);
     }
     const int d = 8 * u;
-    *reinterpret_cast<uint4*>(&sQ(cute::make_coord(cute::make_coord(row, d % 16), 0, d / 16))) = val;
+    cuda::store_shared_16(&sQ(cute::make_coord(cute::make_coord(row, d % 16), 0, d / 16)), val);
   }
 }
 

@@ -10,6 +10,7 @@
 #include "common/params.h"
 #include "common/plan_view.h"
 #include "cuda/prefill_work_item.cuh"
+#include "cuda/shared_memory.cuh"
 #include "sm100/common/tcgen05.cuh"
 #include "sm100/prefill/config.h"
 #include "sm100/prefill/operand_load.cuh"
@@ -31,8 +32,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(con
   const int tid = threadIdx.x, warp = tid >> 5;
   const int g = v.item.head, group = v.group;
 
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + SharedPlan::kAlign - 1) &
-                                             ~uintptr_t(SharedPlan::kAlign - 1));
+  uint8_t* smem = cuda::align_shared<SharedPlan::kAlign>(smem_raw);
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kQOffset)), LayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kKOffset)), LayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Bf16*>(smem + SharedPlan::kVOffset)), LayoutV{});
@@ -90,8 +90,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(con
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int key = 32 * c + 8 * u;
-      *reinterpret_cast<uint4*>(&sP(make_coord(make_coord(row, key % 16), 0, key / 16))) =
-          make_uint4(packed[4 * u], packed[4 * u + 1], packed[4 * u + 2], packed[4 * u + 3]);
+      cuda::store_shared_16(&sP(make_coord(make_coord(row, key % 16), 0, key / 16)),
+                            make_uint4(packed[4 * u], packed[4 * u + 1], packed[4 * u + 2], packed[4 * u + 3]));
     }
   }
   cutlass::arch::fence_view_async_shared();

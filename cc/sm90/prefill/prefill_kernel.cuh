@@ -16,6 +16,7 @@
 #include "common/partial_order.h"
 #include "common/plan_view.h"
 #include "cuda/prefill_work_item.cuh"
+#include "cuda/shared_memory.cuh"
 #include "sm80/common/register_pack.cuh"
 #include "sm80/common/warp_mma.cuh"
 #include "sm90/prefill/config.h"
@@ -27,14 +28,10 @@ namespace jax_msa::sm90::prefill {
 using cutlass::arch::ClusterBarrier;
 using cutlass::arch::ClusterTransactionBarrier;
 
-// The dynamic shared memory, its base rounded up to 1 KB (the 128-byte swizzle pattern repeats every 1 KB, and TMA and
-// wgmma both derive it from the address). The padding comes from the shared-window offset and is added to the pointer
-// itself: a round trip through an integer would lose the shared address space, and every access through the storage
-// (the tile meta the consumers read per item) would become a generic LD / ST.
+// The dynamic shared memory, its base rounded up to 1 KB in the shared address space (cuda/shared_memory.cuh).
 template <KvFormat F>
 __device__ __forceinline__ Storage<F>& shared_storage(uint8_t* raw) {
-  const uint32_t offset = static_cast<uint32_t>(__cvta_generic_to_shared(raw));
-  return *reinterpret_cast<Storage<F>*>(raw + ((1024u - (offset & 1023u)) & 1023u));
+  return *reinterpret_cast<Storage<F>*>(cuda::align_shared<1024>(raw));
 }
 
 __device__ __forceinline__ SharedStorage& shared_part(SharedStorage& s) { return s; }
