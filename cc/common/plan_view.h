@@ -74,4 +74,8 @@ MSA_HD int query_position(const int32_t* cu_seqlens_q, const int32_t* seq_lens, 
   return seq_lens[b] - q_len + (t - cu_seqlens_q[b]);
 }
 
+// The same position from the request's entries as loaded, seq_len = seq_lens[b] and q_end = cu_seqlens_q[b + 1]
+// (cu_seqlens_q[b] cancels out): for a kernel that loads them ahead of their use.
+MSA_HD int query_position(int seq_len, int q_end, int t) { return seq_len - q_end + t; }
+
 }  // namespace jax_msa

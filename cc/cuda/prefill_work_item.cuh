@@ -32,6 +32,11 @@ struct ItemView {
   int64_t page;
   bool page_ok;
 
+  // The tile's queries: the item's edges, at most kMaxTileRows / G.
+  static __device__ __forceinline__ int tile_count(const WorkItem& item, int group) {
+    return min(item.edge_count, kMaxTileRows / group);
+  }
+
   static __device__ __forceinline__ ItemLoads load(const PrefillParams& p, const WorkItem& item) {
     return ItemLoads{item, p.seq_lens[item.request], p.block_table[int64_t(item.request) * p.max_blocks + item.block]};
   }
@@ -40,7 +45,7 @@ struct ItemView {
     ItemView v;
     v.item = l.item;
     v.group = p.num_q_heads / p.num_kv_heads;
-    v.count = min(v.item.edge_count, kMaxTileRows / v.group);
+    v.count = tile_count(v.item, v.group);
     v.block_key0 = v.item.block * kPageSize;
     v.n_keys = max(0, min(kPageSize, l.seq_len - v.block_key0));
     v.page = l.page;  // int32 -> int64

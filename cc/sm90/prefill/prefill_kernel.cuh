@@ -69,7 +69,7 @@ struct ProducerItem {
 // scoreboard.)
 struct ProducerLoads {
   cuda::ItemLoads block;
-  int token, rank, q_end;  // q_end = cu_seqlens_q[b + 1]: token t's position is seq_len - q_end + t
+  int token, rank, q_end;  // q_end = cu_seqlens_q[b + 1] (query_position)
 };
 
 // Item `item`'s loads (valid = false: past the CTA's items; nothing is read).
@@ -79,7 +79,7 @@ __device__ __forceinline__ ProducerLoads load_item(const PrefillParams& p, const
   if (!valid) return l;
   l.block = cuda::ItemView::load(p, item);
   const int group = p.num_q_heads / p.num_kv_heads;
-  if (lane < min(min(item.edge_count, cuda::kMaxTileRows / group), kMaxTokens)) {
+  if (lane < min(cuda::ItemView::tile_count(item, group), kMaxTokens)) {  // the lanes finish_item reads (count)
     const int e = item.edge_begin + lane;
     l.token = plan.query(item.head, e);
     l.rank = plan.rank(item.head, e);
@@ -96,7 +96,7 @@ __device__ __forceinline__ ProducerItem finish_item(const PrefillParams& p, cons
   if (lane < r.count) {
     r.token = l.token;
     r.rank = l.rank;
-    const int pos = l.block.seq_len - l.q_end + r.token;  // query_position, cu_seqlens_q[b] cancelled
+    const int pos = query_position(l.block.seq_len, l.q_end, r.token);
     r.visible = r.v.page_ok ? max(0, min(r.v.n_keys, pos - r.v.block_key0 + 1)) : 0;
   }
   r.visible_max = r.visible;
