@@ -1,5 +1,5 @@
-"""examples/bench/bench_decode.py: the distinct-block share it reports for q_len > 1 (its bandwidth over distinct
-blocks) is the expectation of the top-k rows its own generator draws."""
+"""examples/bench: bench_decode.py's distinct-block share for q_len > 1 (its bandwidth over distinct blocks) is the
+expectation of the top-k rows its own generator draws; the ncu timing scripts flush the caches unless told not to."""
 
 from __future__ import annotations
 
@@ -30,3 +30,15 @@ def test_distinct_block_fraction_matches_the_generator(context, q_len):
     assert abs(np.mean(shares) - expected) < 0.01, (np.mean(shares), expected)
     if q_len == 1:
         assert expected == 1.0
+
+
+def test_ncu_command_flushes_caches_unless_told_not_to():
+    import ncu_util
+
+    flushed = ncu_util.ncu_command("k", 4, ["python3", "x.py"])
+    kept = ncu_util.ncu_command("k", 4, ["python3", "x.py"], flush_caches=False)
+    assert "--cache-control" not in flushed  # ncu's default: flush all caches before every profiled kernel
+    i = kept.index("--cache-control")
+    assert kept[i + 1] == "none"
+    assert kept[:i] + kept[i + 2:] == flushed  # nothing else differs
+    assert flushed[-2:] == ["python3", "x.py"]

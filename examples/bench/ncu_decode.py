@@ -9,6 +9,12 @@ kernel time) as a fraction of 4.3 TB/s, and with q_len > 1 the same over the dis
     python examples/bench/ncu_decode.py                       # the M3 cases of docs/BENCHMARKS.md
     python examples/bench/ncu_decode.py --case 64/4,32,32768,1,BF16
     python examples/bench/ncu_decode.py --splits 3 --case 64/4,32,32768,1,FP8   # a forced split-K factor
+    python examples/bench/ncu_decode.py --no-flush --case 64/4,1,32768,1,FP8    # L2 as the previous calls left it
+
+--no-flush leaves the caches as the previous kernels left them instead of flushing them before every kernel: the
+top-k rows, block tables, lengths and queries of the rotating inputs (a few KB a call) then come from L2, as the
+step's small inputs would in a running server. The selected KV blocks stay cold only where bench_decode.py's
+rotation (8-64 calls, up to 200 MB) exceeds the 50 MB L2: not at 16/1 B = 1 (FP8 32 MB, NVFP4 19 MB).
 """
 
 import argparse
@@ -30,13 +36,13 @@ def selected_bytes(heads, batch, q_len, fmt):
     return batch * q_len * hkv * 16 * per_block
 
 
-def profile(case, calls, pool_gb=8.0, splits=None):
+def profile(case, calls, pool_gb=8.0, splits=None, flush_caches=True):
     heads, batch, context, q_len, fmt = case.split(",")
     bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_decode.py")
     rows = kernel_durations("sparse_decode_kernel|combine_splits", 2 * calls + 8, [
         sys.executable, bench, "--heads", heads, "--batch", batch, "--context", context, "--q-len", q_len,
         "--fmt", fmt, "--repeats", "1", "--no-dense", "--pool-gb", str(pool_gb),
-        *(["--splits", str(splits)] if splits else [])])
+        *(["--splits", str(splits)] if splits else [])], flush_caches=flush_caches)
     per_call, current = [], None
     for name, ns in rows:
         if "sparse_decode_kernel" in name:
@@ -60,12 +66,14 @@ def main():
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--pool-gb", type=float, default=8.0, help="bench_decode.py --pool-gb")
     ap.add_argument("--splits", type=int, help="bench_decode.py --splits: force the split-K factor")
+    ap.add_argument("--no-flush", action="store_true",
+                    help="leave the caches as the previous kernels left them (ncu --cache-control none)")
     args = ap.parse_args()
     print("| heads | B | context | q_len | format | kernel us (median) | min-max | calls | MB | TB/s | of 4.3 TB/s "
           "| distinct blocks, of 4.3 TB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in args.case or DEFAULT_CASES:
-        r = profile(case, args.calls, args.pool_gb, args.splits)
+        r = profile(case, args.calls, args.pool_gb, args.splits, flush_caches=not args.no_flush)
         heads, batch, context, q_len, fmt = case.split(",")
         if r is None:
             print(f"| {heads} | {batch} | {int(context) // 1024}k | {q_len} | {fmt} | (no kernels profiled) |")
