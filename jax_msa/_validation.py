@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jax_msa import kv_cache as kvc
@@ -50,6 +51,19 @@ def _scalar(x, name):
         return
     if hasattr(x, "shape") and tuple(x.shape) not in ((), (1,)):
         raise ValueError(f"{name} must be a scalar (fp32); got shape {tuple(x.shape)}")
+
+
+def static_softmax_scale(scale, head_dim: int) -> float:
+    """The softmax scale as the Python float the kernels are compiled with (default head_dim^-0.5)."""
+    if scale is None:
+        return head_dim**-0.5
+    try:
+        return float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise TypeError(
+            "scale must be a static Python number: it is compiled into the kernels (an ffi attribute); got "
+            f"{type(scale).__name__}. Pass a float, or fold a traced factor into q (jax_msa.reference accepts "
+            "a traced scale).") from None
 
 
 def check_query_cache_topk(q, kv_cache, topk, *, q_scale=None, k_scale=None, v_scale=None) -> dict:
@@ -137,6 +151,8 @@ def check_write_kv(kv_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
     ks = _shape(k, "k")
     if len(ks) != 3:
         raise ValueError(f"k must be [N, Hkv, D]; got shape {ks}")
+    if ks[2] < 1:
+        raise ValueError(f"k head_dim must be >= 1; got shape {ks}")
     if _shape(v, "v") != ks:
         raise ValueError(f"v must have k's shape {ks}; got {tuple(v.shape)}")
     for x, n in ((k, "k"), (v, "v")):

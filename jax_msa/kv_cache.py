@@ -46,6 +46,13 @@ def detect_format(kv_cache, head_dim: int, *, name: str = "kv_cache") -> tuple[K
     The format follows from dtype and shape alone: bf16 and float8_e4m3fn caches are
     [pages, Hkv, 128, 2*D]; an NVFP4 cache is uint8 [pages, 2*Hkv, 128, D/2 + D/16].
     """
+    fmt, hkv = _format_and_heads(kv_cache, head_dim, name)
+    if hkv < 1:
+        raise ValueError(f"{name} holds no KV head (Hkv = 0); got shape {tuple(kv_cache.shape)}")
+    return fmt, hkv
+
+
+def _format_and_heads(kv_cache, head_dim: int, name: str) -> tuple[KVFormat, int]:
     shape = tuple(kv_cache.shape)
     dtype = jnp.dtype(kv_cache.dtype)
     if len(shape) != 4:
@@ -295,35 +302,32 @@ def write_kv_reference(kv_cache, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0
     fmt, _ = detect_format(kv_cache, d)
     pages = kv_cache.shape[0]
     slot = slot_mapping.astype(jnp.int32)
-    ok = (slot >= 0) & (slot < pages * PAGE_SIZE)
+    ok = (slot >= 0) & (slot <= min(pages * PAGE_SIZE, 2**31) - 1)  # (slot_mapping is int32)
     page = jnp.where(ok, slot // PAGE_SIZE, 0)
     off = jnp.where(ok, slot % PAGE_SIZE, 0)
     g = jnp.arange(hkv, dtype=jnp.int32)
+    # The scatters index (row, position in the row) of a 2-D or 3-D view, never a flat byte or element offset: the
+    # indices are int32 (no x64), and a cache of 2 GB or more has offsets past 2^31. A skipped slot gets the row
+    # past the last, which mode="drop" drops.
     if fmt in (KVFormat.BF16, KVFormat.FP8):
-        rows = (page[:, None] * hkv + g[None, :]) * PAGE_SIZE + off[:, None]  # [N, Hkv]
-        rows = jnp.where(ok[:, None], rows, pages * hkv * PAGE_SIZE)  # out of range -> dropped
+        rows = jnp.where(ok[:, None], page[:, None] * hkv + g[None, :], pages * hkv)  # [N, Hkv]: (page, head) rows
         if fmt == KVFormat.BF16:
             vals = jnp.concatenate([k, v], axis=-1).astype(jnp.bfloat16)
         else:
             vals = jnp.concatenate([quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)], axis=-1)
-        flat = kv_cache.reshape(pages * hkv * PAGE_SIZE, 2 * d)
-        flat = flat.at[rows.reshape(-1)].set(vals.reshape(-1, 2 * d), mode="drop")
-        return flat.reshape(kv_cache.shape)
+        tokens = kv_cache.reshape(pages * hkv, PAGE_SIZE, 2 * d)
+        tokens = tokens.at[rows, jnp.broadcast_to(off[:, None], rows.shape)].set(vals, mode="drop")
+        return tokens.reshape(kv_cache.shape)
 
-    # NVFP4: byte-level scatter into the flat slot array.
+    # NVFP4: bytes of the [pages * 2 * Hkv, slot bytes] slot view.
     slot_bytes = PAGE_SIZE * nvfp4_token_bytes(d)
     nd = PAGE_SIZE * d // 2
-    total = kv_cache.size
-    flat = kv_cache.reshape(-1)
+    slots = kv_cache.reshape(pages * 2 * hkv, slot_bytes)
     for is_v, x, gscale in ((False, k, k_scale), (True, v, v_scale)):
         data, sf = quantize_nvfp4(x, gscale)  # [N, Hkv, D/2], [N, Hkv, D/16]
-        base = (page[:, None] * (2 * hkv) + 2 * g[None, :] + int(is_v)) * slot_bytes  # [N, Hkv]
-        data_idx = base[..., None] + off[:, None, None] * (d // 2) + jnp.arange(d // 2)
-        perm = jnp.asarray(_scale_perm(d, is_v))[off]  # [N, D/16]
-        scale_idx = base[..., None] + nd + perm[:, None, :]
-        data_idx = jnp.where(ok[:, None, None], data_idx, total)
-        scale_idx = jnp.where(ok[:, None, None], scale_idx, total)
-        flat = flat.at[data_idx.reshape(-1)].set(data.reshape(-1), mode="drop")
-        flat = flat.at[scale_idx.reshape(-1)].set(
-            jax.lax.bitcast_convert_type(sf, jnp.uint8).reshape(-1), mode="drop")
-    return flat.reshape(kv_cache.shape)
+        rows = jnp.where(ok[:, None], page[:, None] * (2 * hkv) + 2 * g[None, :] + int(is_v), pages * 2 * hkv)
+        data_col = off[:, None, None] * (d // 2) + jnp.arange(d // 2, dtype=jnp.int32)  # [N, 1, D/2]
+        scale_col = nd + jnp.asarray(_scale_perm(d, is_v), jnp.int32)[off][:, None, :]  # [N, 1, D/16]
+        slots = slots.at[rows[..., None], data_col].set(data, mode="drop")
+        slots = slots.at[rows[..., None], scale_col].set(jax.lax.bitcast_convert_type(sf, jnp.uint8), mode="drop")
+    return slots.reshape(kv_cache.shape)

@@ -94,7 +94,7 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
     """
     cfg = _validation.check_attention(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table,
                                       q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
-    softmax_scale = cfg.head_dim**-0.5 if scale is None else float(scale)
+    softmax_scale = _validation.static_softmax_scale(scale, cfg.head_dim)
     scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
 
     def ref(q, kv_cache, topk, cu, sl, bt, scales, plan):
@@ -148,7 +148,7 @@ def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=
     topk [Hkv, B * decode_query_len, K]. Token i of request b sits at seq_len_b - decode_query_len + i."""
     cfg = _validation.check_decode(q, kv_cache, topk, seq_lens, block_table, decode_query_len,
                                    q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
-    softmax_scale = cfg.head_dim**-0.5 if scale is None else float(scale)
+    softmax_scale = _validation.static_softmax_scale(scale, cfg.head_dim)
     scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
 
     def ref(q, kv_cache, topk, sl, bt, scales):

@@ -249,3 +249,37 @@ def test_write_kv_in_place_under_donation():
     assert got2.unsafe_buffer_pointer() == pointer
     np.testing.assert_array_equal(bits(first), bits(want))
     np.testing.assert_array_equal(bits(got2), bits(want2))
+
+
+@pytest.mark.parametrize("d", [8, 72, 100])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_write_kv_any_head_dim(fmt, d):
+    """The CPU handler takes any head_dim for bf16 and FP8 caches (NVFP4: a multiple of 16), as the reference does
+    and as README's shape table says; only the CUDA kernel needs head_dim % 16 == 0 (ops.py sends it nothing else)."""
+    cache, k, v, slots = _write_kv_inputs(404 + d, pages=3, hkv=2, d=d, n=12)
+    scales = {}
+    if fmt == "fp8":
+        cache = cache.astype(jnp.float8_e4m3fn)
+        scales = dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(3.0))
+    got = jax.jit(functools.partial(jax_msa.write_kv, impl="kernel", **scales))(cache, k, v, slots)
+    want = jax.jit(functools.partial(reference.write_kv, **scales))(cache, k, v, slots)
+    assert not np.array_equal(bits(want), bits(cache)), "some slot must be written"
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+def test_topk_order_is_irrelevant(decode, kernel):
+    """MSA.md: a top-k row is a set; its order does not matter. Each row permuted: bit-identical out and lse."""
+    problem = (make_decode_problem(**DECODE_CASES["q4_gqa8_k32_dups_negative_pos"]) if decode
+               else make_problem(**PREFILL_CASES["gqa8_k16_chunked_bad_pages_padding"]))
+    rng = np.random.default_rng(11)
+    topk = np.asarray(problem.topk)
+    shuffled = np.take_along_axis(topk, rng.permuted(np.broadcast_to(np.arange(topk.shape[-1]), topk.shape), axis=-1),
+                                  axis=-1)
+    assert not np.array_equal(shuffled, topk)
+    permuted = dataclasses.replace(problem, topk=jnp.asarray(shuffled))
+    a = _run(problem, kernel=kernel)
+    b = _run(permuted, kernel=kernel)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(bits(x), bits(y))

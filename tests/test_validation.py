@@ -199,3 +199,52 @@ def test_write_kv_argument_errors(case):
     overrides, error, message = WRITE_KV_ERRORS[case]
     with pytest.raises(error, match=message):
         _trace_write_kv(**overrides)
+
+
+def test_cache_without_kv_heads():
+    """Hkv = 0 is an argument error, not a ZeroDivisionError from the GQA check."""
+    no_heads = jnp.zeros((PAGES, 0, 128, 2 * D), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"kv_cache holds no KV head"):
+        _trace_attention(kv_cache=no_heads, topk=jnp.zeros((0, T, K), jnp.int32))
+    with pytest.raises(ValueError, match=r"kv_cache holds no KV head"):
+        _trace_decode(kv_cache=no_heads, topk=jnp.zeros((0, B, K), jnp.int32))
+    with pytest.raises(ValueError, match=r"kv_cache holds no KV head"):
+        _trace_write_kv(kv_cache=no_heads, k=jnp.zeros((5, 0, D), jnp.bfloat16), v=jnp.zeros((5, 0, D), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"k head_dim must be >= 1"):
+        _trace_write_kv(k=jnp.zeros((5, HKV, 0), jnp.bfloat16), v=jnp.zeros((5, HKV, 0), jnp.bfloat16))
+
+
+def test_softmax_scale_must_be_static():
+    """The softmax scale is compiled into the kernels: a traced one is a clear TypeError (the reference takes it)."""
+    a = _attention_args()
+
+    def decode(scale):
+        return jax_msa.sparse_decode(a["q"][:B], a["kv_cache"], a["topk"][:, :B], seq_lens=a["seq_lens"],
+                                     block_table=a["block_table"], scale=scale)
+
+    def attention(scale):
+        return jax_msa.sparse_attention(a["q"], a["kv_cache"], a["topk"], cu_seqlens_q=a["cu_seqlens_q"],
+                                        seq_lens=a["seq_lens"], block_table=a["block_table"], scale=scale)
+
+    for fn in (decode, attention):
+        with pytest.raises(TypeError, match=r"scale must be a static Python number"):
+            jax.eval_shape(fn, jnp.float32(0.1))
+        concrete = jnp.float32(0.1)
+        jax.eval_shape(lambda: fn(0.1))  # a Python float traces
+        jax.eval_shape(lambda: fn(concrete))  # a concrete array captured from outside the trace too
+
+
+@pytest.mark.parametrize("impl", ["reference", "kernel", "auto"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_write_kv_traces_for_caches_past_2gb(fmt, impl):
+    """A cache of 2^31 bytes or more: the jnp twin (traced for every impl, lax.platform_dependent) indexes
+    (row, position) of a 2-D or 3-D view, so no int32 index overflows; nothing is allocated (eval_shape)."""
+    if fmt == "nvfp4":
+        cache = jax.ShapeDtypeStruct((29128, 2 * 4, 128, 72), jnp.uint8)  # 2,147,549,184 B: just past 2^31
+    else:
+        cache = jax.ShapeDtypeStruct((16385, 4, 128, 256), jnp.float8_e4m3fn)  # 2,147,614,720 B
+    assert cache.size >= 2**31
+    k = jax.ShapeDtypeStruct((3, 4, 128), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((3,), jnp.int32)
+    out = jax.eval_shape(lambda c, k, v, s: jax_msa.write_kv(c, k, v, s, impl=impl), cache, k, k, slots)
+    assert out.shape == cache.shape and out.dtype == cache.dtype

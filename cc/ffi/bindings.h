@@ -222,7 +222,7 @@ inline ffi::Error check_write_kv_buffers(const jax_msa::WriteKvParams& p, const 
   if (slot_mapping.dimensions().size() != 1 || slot_mapping.dimensions()[0] != N)
     return invalid("slot_mapping must be [N]");
   if (scales.element_count() < jax_msa::kNumScales) return invalid("scales must be [3]");
-  if (Hkv <= 0 || D <= 0 || D % 16 != 0) return invalid("the CUDA write_kv needs Hkv > 0 and head_dim % 16 == 0");
+  if (Hkv <= 0 || D <= 0) return invalid("write_kv needs Hkv > 0 and head_dim > 0");
   if (rank(cache) != 4 || dim(cache, 2) != jax_msa::kPageSize)
     return invalid("kv_cache must be [pages, heads, 128, bytes]");
   switch (p.kv_format) {
@@ -236,6 +236,7 @@ inline ffi::Error check_write_kv_buffers(const jax_msa::WriteKvParams& p, const 
     }
     case KvFormat::kNvfp4:
       if (cache.element_type() != ffi::DataType::U8) return invalid("an NVFP4 kv_cache must be uint8");
+      if (D % 16 != 0) return invalid("an NVFP4 kv_cache needs head_dim % 16 == 0");
       if (dim(cache, 1) != 2 * Hkv || dim(cache, 3) != D / 2 + D / 16)
         return invalid("an NVFP4 kv_cache must be [pages, 2*Hkv, 128, D/2 + D/16] for k [N, Hkv, D]");
       break;

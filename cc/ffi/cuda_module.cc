@@ -44,6 +44,9 @@ ffi::Error write_kv_cuda_impl(cudaStream_t stream, ffi::AnyBuffer cache_in, ffi:
   jax_msa::WriteKvParams p;
   if (auto e = fb::make_write_kv_params(p, cache_in, k, v, slot_mapping, scales, cache_out, kv_format); e.failure())
     return e;
+  // the kernel's 16-value chunks (ops.py sends it nothing else: _cuda_write_kv_supported)
+  if (p.head_dim % 16 != 0 || p.head_dim > 256)
+    return fb::invalid("the CUDA write_kv needs head_dim % 16 == 0 and head_dim <= 256");
   if (const cudaError_t err = jax_msa::cuda::launch_write_kv(p, stream); err != cudaSuccess)
     return cuda_failure("write_kv kernel launch failed", err);
   return ffi::Error::Success();
