@@ -9,8 +9,10 @@ decode     q [L,T,Hq,D] -> [L*T,Hq,D]; topk [L,Hkv,T,K] -> [Hkv,L*T,K]; seq_lens
            (tokens are request-major with a uniform decode_query_len, so token l*T+t is token t of l).
            A batched cache [L,P,...] becomes [L*P,...] and element l's valid page ids move to l*P + id;
            invalid ones (negative or >= P, holes) become -1, still holes.
-write_kv   cache [L,P,...] -> [L*P,...]; k, v [L,N,Hkv,D] -> [L*N,Hkv,D]; element l's valid slots move
-           to l*P*128 + slot, skipped ones (negative or >= P*128) become -1, still skipped.
+write_kv   cache [L,P,...] taken as L*P pages (not reshaped: the custom call reads leading dimensions as pages,
+           and a reshape would keep XLA from updating a donated cache in place); k, v [L,N,Hkv,D] ->
+           [L*N,Hkv,D]; element l's valid slots move to l*P*128 + slot, skipped ones (negative or >= P*128)
+           become -1, still skipped.
 
 Unbatched operands are broadcast first (a shared cache under a batched write_kv is copied L times: the
 result holds L caches). Each (token, head) of decode and each written token of write_kv is computed
@@ -24,6 +26,7 @@ its plan indexes requests and pages of one batch, so it always runs sequentially
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -101,7 +104,9 @@ def fold_write_kv_batch(call: Callable) -> Callable:
         args = (kv_cache, k, v, slot_mapping, scales)
         n = axis_size
         cache_b, k_b, v_b, slots_b, scales_b = in_batched
-        num_pages = kv_cache.shape[1] if cache_b else kv_cache.shape[0]
+        # pages = every dimension before the page's [heads, 128, bytes] (a nested vmap's inner fold leaves
+        # [L, P, ...]), past the batch dimension
+        num_pages = math.prod(kv_cache.shape[1 if cache_b else 0:-3])
         capacity = num_pages * PAGE_SIZE
         if scales_b or n * capacity >= INT32_LIMIT:
             return _sequential(call, in_batched, args), True
@@ -110,9 +115,10 @@ def fold_write_kv_batch(call: Callable) -> Callable:
         v = _broadcast(v, v_b, n)
         slot_mapping = _relocate(_broadcast(slot_mapping, slots_b, n), capacity)
         tokens = k.shape[1]
-        page_shape = kv_cache.shape[2:]
-        out = write(kv_cache.reshape(n * num_pages, *page_shape), k.reshape(n * tokens, *k.shape[2:]),
-                    v.reshape(n * tokens, *v.shape[2:]), slot_mapping.reshape(n * tokens), scales)
-        return out.reshape(n, num_pages, *page_shape), True
+        # the cache goes in as it is, [n, pages..., heads, 128, bytes] (the custom call takes leading dimensions as
+        # pages): reshaped, it would no longer alias the call's output under donation, and XLA would copy it
+        out = write(kv_cache, k.reshape(n * tokens, *k.shape[2:]), v.reshape(n * tokens, *v.shape[2:]),
+                    slot_mapping.reshape(n * tokens), scales)
+        return out, True
 
     return write

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +115,8 @@ def check_attention(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table, **sc
 
 
 def check_decode(q, kv_cache, topk, seq_lens, block_table, decode_query_len, **scales) -> AttentionConfig:
-    if not isinstance(decode_query_len, int) or decode_query_len < 1:
+    if (isinstance(decode_query_len, bool) or not isinstance(decode_query_len, numbers.Integral)
+            or decode_query_len < 1):
         raise ValueError(f"decode_query_len must be a static int >= 1; got {decode_query_len!r}")
     base = check_query_cache_topk(q, kv_cache, topk, **scales)
     batch, max_blocks = check_paging(seq_lens, block_table)

@@ -9,6 +9,7 @@ The ops are forward-only: differentiating them raises a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -55,7 +56,8 @@ def _dispatch(name: str, impl: str, kernels: dict, reference_fn, *args):
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}; got {impl!r}")
     if impl == "reference":
-        return reference_fn(*args)
+        with _explained_sharding_errors(name):
+            return reference_fn(*args)
     here = _default_platform()
     if here not in kernels:
         if impl == "kernel":
@@ -64,7 +66,29 @@ def _dispatch(name: str, impl: str, kernels: dict, reference_fn, *args):
                 f"(kernels here: {sorted(kernels) or 'none'}); use impl='auto' or impl='reference'")
         _ffi.warn_once(f"jax_msa.{name}: no kernel for platform '{here}' with these shapes/formats; "
                        f"using the jnp reference (slow).")
-    return _forward_only(name, lambda *a: jax.lax.platform_dependent(*a, default=reference_fn, **kernels))(*args)
+    with _explained_sharding_errors(name):
+        return _forward_only(name, lambda *a: jax.lax.platform_dependent(*a, default=reference_fn, **kernels))(*args)
+
+
+_SHARDED_WRAPPERS = {"sparse_attention": "sharded_sparse_attention", "sparse_decode": "sharded_sparse_decode",
+                     "write_kv": "sharded_write_kv"}
+
+
+@contextlib.contextmanager
+def _explained_sharding_errors(name: str):
+    """Inputs sharded over Explicit mesh axes (jax.make_mesh's default) reach the jnp reference, which is traced
+    next to the kernels (lax.platform_dependent traces every branch) and whose gathers JAX then refuses with a
+    sharding type error deep inside jnp indexing. Say what to do instead."""
+    try:
+        yield
+    except Exception as err:
+        if type(err).__name__ != "ShardingTypeError":
+            raise
+        wrapper = _SHARDED_WRAPPERS.get(name, "the wrappers")
+        raise TypeError(
+            f"jax_msa.{name}: an input is sharded over an Explicit mesh axis, which the op's jnp reference (traced "
+            f"alongside the kernels) cannot index. Call it through jax_msa.sharding.{wrapper}(mesh, ...), which runs "
+            f"it per shard, or use a mesh with Auto axes. JAX said: {str(err).splitlines()[0]}") from err
 
 
 def _forward_only(name: str, fn):
@@ -148,6 +172,7 @@ def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=
     topk [Hkv, B * decode_query_len, K]. Token i of request b sits at seq_len_b - decode_query_len + i."""
     cfg = _validation.check_decode(q, kv_cache, topk, seq_lens, block_table, decode_query_len,
                                    q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+    decode_query_len = int(decode_query_len)  # a numpy integer is taken too
     softmax_scale = _validation.static_softmax_scale(scale, cfg.head_dim)
     scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
 

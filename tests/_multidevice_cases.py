@@ -183,3 +183,26 @@ def test_auto_axes_mesh_and_unplaced_inputs(mesh_name):
     decode = sharded_sparse_decode(mesh, decode_query_len=2, impl="kernel")
     got = jax.jit(decode)(x["q"], x["kv_cache"], x["topk"], x["seq_lens"], x["block_table"])
     assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("mesh_name", ["mesh2x4"])
+def test_plain_ops_on_explicitly_sharded_inputs_name_the_wrappers(mesh_name):
+    """The plain ops given inputs sharded over Explicit axes: a TypeError that names the jax_msa.sharding wrapper
+    (JAX refuses the jnp reference's gathers on them, and the reference is traced next to the kernels)."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh(mesh_name)
+    b, d = 4, 64
+    put = functools.partial(_put, mesh)
+    cache = jnp.ones((4, 2, PAGE, 2 * d), jnp.bfloat16)
+    q = put(jnp.ones((b, 4, d), jnp.bfloat16), P("data"))
+    topk = put(jnp.zeros((2, b, 1), jnp.int32), P(None, "data"))
+    seq_lens = put(jnp.full((b,), 5, jnp.int32), P("data"))
+    block_table = put(jnp.arange(b, dtype=jnp.int32)[:, None], P("data"))
+    k = put(jnp.ones((b, 2, d), jnp.bfloat16), P("data"))
+    for impl in ("kernel", "reference"):
+        with pytest.raises(TypeError, match=r"jax_msa.sparse_decode: .*jax_msa.sharding.sharded_sparse_decode"):
+            jax.jit(lambda q, t, s, bt: jax_msa.sparse_decode(q, cache, t, seq_lens=s, block_table=bt, impl=impl))(
+                q, topk, seq_lens, block_table)
+        with pytest.raises(TypeError, match=r"jax_msa.write_kv: .*jax_msa.sharding.sharded_write_kv"):
+            jax.jit(lambda c, k, s: jax_msa.write_kv(c, k, k, s, impl=impl))(put(cache, P("data")), k, seq_lens)

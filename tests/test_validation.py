@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_msa
@@ -138,9 +139,16 @@ def test_decode_q_not_batch_times_query_len():
                       topk=jnp.zeros((HKV, 4, K), jnp.int32))
 
 
+def test_decode_query_len_may_be_a_numpy_integer():
+    _trace_decode(decode_query_len=np.int64(1))
+    _trace_decode(decode_query_len=np.int32(2))
+
+
 def test_decode_query_len_must_be_static_int():
     with pytest.raises(ValueError, match=r"decode_query_len must be a static int >= 1"):
         _trace_decode(decode_query_len=0)
+    with pytest.raises(ValueError, match=r"decode_query_len must be a static int >= 1; got True"):
+        _trace_decode(decode_query_len=True)
 
 
 def test_decode_topk_and_table_errors():

@@ -156,6 +156,30 @@ def test_vmap_write_kv_matches_loop_and_is_one_call(in_axes):
     assert _custom_calls_and_loops(jax.vmap(_write, in_axes=in_axes), args) == (1, False)
 
 
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_vmap_write_kv_updates_a_donated_stack_in_place(fmt):
+    """A stacked cache [L, P, ...] donated to jit(vmap(write_kv)) is updated in place: no copy of it in the compiled
+    program, the output in the input's buffer, also when nested vmaps fold twice. (The fold once reshaped the cache
+    to [L*P, ...]; XLA then copied the whole stack on every call, ahead of the aliased custom call.)"""
+    rng = np.random.default_rng(6450)
+    bf16_caches, k, v, slots = _stack([_write_args(6450 + i) for i in range(2 * LAYERS)])
+    caches = bf16_caches if fmt == KVFormat.BF16 else jnp.stack(
+        [_quantized_cache(fmt, rng, 3, 2, 64, 1.0) for _ in range(2 * LAYERS)])
+    for fn, args in ((jax.vmap(_write), (caches, k, v, slots)),
+                     (jax.vmap(jax.vmap(_write)), tuple(x.reshape(2, LAYERS, *x.shape[1:])
+                                                         for x in (caches, k, v, slots)))):
+        want = jax.jit(fn)(*args)
+        compiled = jax.jit(fn, donate_argnums=0).lower(*args).compile()
+        copies = [line for line in compiled.as_text().splitlines()
+                  if re.search(r"\bcopy(-start)?\(", line) and re.search(r"\b(u8|bf16|f8e4m3fn)\[", line)]
+        assert not copies, copies
+        stack = args[0].copy()
+        pointer = stack.unsafe_buffer_pointer()
+        got = compiled(stack, *args[1:])
+        assert stack.is_deleted() and got.unsafe_buffer_pointer() == pointer
+        assert_bitwise_equal(got, want)
+
+
 def test_vmap_write_kv_nvfp4_with_shared_and_per_layer_scales():
     rng = np.random.default_rng(6500)
     caches = jnp.stack([_quantized_cache(KVFormat.NVFP4, rng, 3, 2, 64, 1.0) for _ in range(LAYERS)])

@@ -223,21 +223,23 @@ inline ffi::Error check_write_kv_buffers(const jax_msa::WriteKvParams& p, const 
     return invalid("slot_mapping must be [N]");
   if (scales.element_count() < jax_msa::kNumScales) return invalid("scales must be [3]");
   if (Hkv <= 0 || D <= 0) return invalid("write_kv needs Hkv > 0 and head_dim > 0");
-  if (rank(cache) != 4 || dim(cache, 2) != jax_msa::kPageSize)
-    return invalid("kv_cache must be [pages, heads, 128, bytes]");
+  // [pages..., heads, 128, bytes]: dimension i of the page's [heads, 128, bytes]
+  const auto page_dim = [&](int i) { return dim(cache, rank(cache) - 3 + i); };
+  if (rank(cache) < 4 || page_dim(1) != jax_msa::kPageSize)
+    return invalid("kv_cache must be [pages..., heads, 128, bytes]");
   switch (p.kv_format) {
     case KvFormat::kBf16:
     case KvFormat::kFp8: {
       const auto want = p.kv_format == KvFormat::kBf16 ? ffi::DataType::BF16 : ffi::DataType::F8E4M3FN;
       if (cache.element_type() != want) return invalid("kv_cache dtype does not match kv_format");
-      if (dim(cache, 1) != Hkv || dim(cache, 3) != 2 * D)
+      if (page_dim(0) != Hkv || page_dim(2) != 2 * D)
         return invalid("a bf16 / FP8 kv_cache must be [pages, Hkv, 128, 2*D] for k [N, Hkv, D]");
       break;
     }
     case KvFormat::kNvfp4:
       if (cache.element_type() != ffi::DataType::U8) return invalid("an NVFP4 kv_cache must be uint8");
       if (D % 16 != 0) return invalid("an NVFP4 kv_cache needs head_dim % 16 == 0");
-      if (dim(cache, 1) != 2 * Hkv || dim(cache, 3) != D / 2 + D / 16)
+      if (page_dim(0) != 2 * Hkv || page_dim(2) != D / 2 + D / 16)
         return invalid("an NVFP4 kv_cache must be [pages, 2*Hkv, 128, D/2 + D/16] for k [N, Hkv, D]");
       break;
     default:
@@ -253,7 +255,9 @@ inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in
   if (cache_out->untyped_data() != cache_in.untyped_data())
     return invalid("write_kv expects its cache output aliased to its cache input");
   if (k.dimensions().size() != 3) return invalid("k must be [N, Hkv, D]");
-  if (rank(cache_in) != 4) return invalid("kv_cache must be [pages, heads, 128, bytes]");
+  // Leading dimensions past the first are more pages: jax.vmap's fold (jax_msa/_batching.py) hands over a stacked
+  // cache [L, pages, ...] as it is, since a reshape in front of the aliased custom call made XLA copy the cache.
+  if (rank(cache_in) < 4) return invalid("kv_cache must be [pages..., heads, 128, bytes]");
   p.kv_cache = cache_out->untyped_data();
   p.k = k.typed_data();
   p.v = v.typed_data();
@@ -262,7 +266,8 @@ inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in
   p.num_tokens = int(k.dimensions()[0]);
   p.num_kv_heads = int(k.dimensions()[1]);
   p.head_dim = int(k.dimensions()[2]);
-  p.num_pages = cache_in.dimensions()[0];
+  p.num_pages = 1;
+  for (int i = 0; i + 3 < rank(cache_in); ++i) p.num_pages *= dim(cache_in, i);
   p.kv_format = KvFormat(kv_format);
   if (kv_format < 0 || kv_format > 2) return invalid("unknown kv_format");
   return check_write_kv_buffers(p, cache_in, v, slot_mapping, scales);
