@@ -171,6 +171,8 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
         raise ValueError(f"cu_seqlens_q must be [B+1] = [{batch + 1}]; got {cu_seqlens_q.shape}")
     if queries_per_tile < 1:
         raise ValueError(f"queries_per_tile must be >= 1; got {queries_per_tile}")
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks (the block table's width) must be >= 1; got {max_blocks}")
     rows = batch * max_blocks
     edges = t_total * k
     if max(hkv * (rows + 1), hkv * edges) >= 2**31:

@@ -366,6 +366,9 @@ def test_builder_rejects_bad_static_arguments():
     with pytest.raises(ValueError, match="queries_per_tile"):
         build_prefill_plan(topk, jnp.array([0, 4], jnp.int32), jnp.array([4], jnp.int32), max_blocks=1,
                            queries_per_tile=0)
+    for width in (0, -1):  # 0 failed inside a gather, -1 returned a plan of negative rows
+        with pytest.raises(ValueError, match=r"max_blocks \(the block table's width\) must be >= 1"):
+            build_prefill_plan(topk, jnp.array([0, 4], jnp.int32), jnp.array([4], jnp.int32), max_blocks=width)
 
 
 def test_32k_token_plan_builds_under_jit():
