@@ -76,19 +76,21 @@ _SHARDED_WRAPPERS = {"sparse_attention": "sharded_sparse_attention", "sparse_dec
 
 @contextlib.contextmanager
 def _explained_sharding_errors(name: str):
-    """Inputs sharded over Explicit mesh axes (jax.make_mesh's default) reach the jnp reference, which is traced
-    next to the kernels (lax.platform_dependent traces every branch) and whose gathers JAX then refuses with a
-    sharding type error deep inside jnp indexing. Say what to do instead."""
+    """Inputs sharded over Explicit mesh axes (jax.make_mesh's default), under jit, reach jnp code that JAX then
+    refuses with a sharding type error deep inside jnp indexing: the jnp reference, traced next to the kernels
+    (lax.platform_dependent traces every branch), and the prefill plan. Say what to do instead."""
     try:
         yield
     except Exception as err:
         if type(err).__name__ != "ShardingTypeError":
             raise
         wrapper = _SHARDED_WRAPPERS.get(name, "the wrappers")
+        said = (str(err).splitlines() or [""])[0]
         raise TypeError(
-            f"jax_msa.{name}: an input is sharded over an Explicit mesh axis, which the op's jnp reference (traced "
-            f"alongside the kernels) cannot index. Call it through jax_msa.sharding.{wrapper}(mesh, ...), which runs "
-            f"it per shard, or use a mesh with Auto axes. JAX said: {str(err).splitlines()[0]}") from err
+            f"jax_msa.{name}: an input is sharded over an Explicit mesh axis, which the op's jnp code (its reference, "
+            f"traced alongside the kernels, or the prefill plan) cannot index. Call it through "
+            f"jax_msa.sharding.{wrapper}(mesh, ...), which runs it per shard, or use a mesh with Auto axes. JAX "
+            f"said: {said}") from err
 
 
 def _forward_only(name: str, fn):
@@ -127,12 +129,14 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
                                           k_scale=scales[1], v_scale=scales[2])
 
     if impl == "reference":
-        out, lse = ref(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table, scales, None)
+        with _explained_sharding_errors("sparse_attention"):
+            out, lse = ref(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table, scales, None)
         return (out, lse) if return_lse else out
 
     if plan is None:
-        plan = build_prefill_plan(topk, cu_seqlens_q, seq_lens, max_blocks=cfg.max_blocks,
-                                  queries_per_tile=default_queries_per_tile(cfg.num_q_heads, cfg.num_kv_heads))
+        with _explained_sharding_errors("sparse_attention"):  # the plan's jnp gathers meet them first
+            plan = build_prefill_plan(topk, cu_seqlens_q, seq_lens, max_blocks=cfg.max_blocks,
+                                      queries_per_tile=default_queries_per_tile(cfg.num_q_heads, cfg.num_kv_heads))
     else:
         _validation.check_plan(plan, cfg)
 

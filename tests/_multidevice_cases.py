@@ -206,3 +206,9 @@ def test_plain_ops_on_explicitly_sharded_inputs_name_the_wrappers(mesh_name):
                 q, topk, seq_lens, block_table)
         with pytest.raises(TypeError, match=r"jax_msa.write_kv: .*jax_msa.sharding.sharded_write_kv"):
             jax.jit(lambda c, k, s: jax_msa.write_kv(c, k, k, s, impl=impl))(put(cache, P("data")), k, seq_lens)
+    cu_seqlens_q = jnp.arange(b + 1, dtype=jnp.int32)  # one new token a request
+    for impl in ("kernel", "auto", "reference"):
+        with pytest.raises(TypeError, match=r"jax_msa.sparse_attention: .*sharding.sharded_sparse_attention"):
+            jax.jit(lambda q, t, s, bt: jax_msa.sparse_attention(q, cache, t, cu_seqlens_q=cu_seqlens_q, seq_lens=s,
+                                                                 block_table=bt, impl=impl))(
+                q, topk, seq_lens, block_table)
