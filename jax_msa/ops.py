@@ -56,8 +56,7 @@ def _dispatch(name: str, impl: str, kernels: dict, reference_fn, *args):
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}; got {impl!r}")
     if impl == "reference":
-        with _explained_sharding_errors(name):
-            return reference_fn(*args)
+        return reference_fn(*args)
     here = _default_platform()
     if here not in kernels:
         if impl == "kernel":
@@ -66,8 +65,7 @@ def _dispatch(name: str, impl: str, kernels: dict, reference_fn, *args):
                 f"(kernels here: {sorted(kernels) or 'none'}); use impl='auto' or impl='reference'")
         _ffi.warn_once(f"jax_msa.{name}: no kernel for platform '{here}' with these shapes/formats; "
                        f"using the jnp reference (slow).")
-    with _explained_sharding_errors(name):
-        return _forward_only(name, lambda *a: jax.lax.platform_dependent(*a, default=reference_fn, **kernels))(*args)
+    return _forward_only(name, lambda *a: jax.lax.platform_dependent(*a, default=reference_fn, **kernels))(*args)
 
 
 _SHARDED_WRAPPERS = {"sparse_attention": "sharded_sparse_attention", "sparse_decode": "sharded_sparse_decode",
@@ -76,15 +74,16 @@ _SHARDED_WRAPPERS = {"sparse_attention": "sharded_sparse_attention", "sparse_dec
 
 @contextlib.contextmanager
 def _explained_sharding_errors(name: str):
-    """Inputs sharded over Explicit mesh axes (jax.make_mesh's default), under jit, reach jnp code that JAX then
-    refuses with a sharding type error deep inside jnp indexing: the jnp reference, traced next to the kernels
-    (lax.platform_dependent traces every branch), and the prefill plan. Say what to do instead."""
+    """Around a public op (a decorator): inputs sharded over Explicit mesh axes (jax.make_mesh's default), under jit,
+    reach jnp code that JAX then refuses with a sharding type error deep inside jnp indexing: the jnp reference,
+    traced next to the kernels (lax.platform_dependent traces every branch), and the prefill plan. Say what to do
+    instead."""
     try:
         yield
     except Exception as err:
         if type(err).__name__ != "ShardingTypeError":
             raise
-        wrapper = _SHARDED_WRAPPERS.get(name, "the wrappers")
+        wrapper = _SHARDED_WRAPPERS[name]
         said = (str(err).splitlines() or [""])[0]
         raise TypeError(
             f"jax_msa.{name}: an input is sharded over an Explicit mesh axis, which the op's jnp code (its reference, "
@@ -109,6 +108,7 @@ def _forward_only(name: str, fn):
 # Public ops
 # ---------------------------------------------------------------------------------------------------------
 
+@_explained_sharding_errors("sparse_attention")
 def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, scale=None, return_lse=False,
                      plan: PrefillPlan | None = None, impl="auto", k_scale=None, v_scale=None, q_scale=None):
     """MSA prefill / chunked prefill over a varlen batch (MSA.md section 2).
@@ -129,14 +129,12 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
                                           k_scale=scales[1], v_scale=scales[2])
 
     if impl == "reference":
-        with _explained_sharding_errors("sparse_attention"):
-            out, lse = ref(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table, scales, None)
+        out, lse = ref(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table, scales, None)
         return (out, lse) if return_lse else out
 
     if plan is None:
-        with _explained_sharding_errors("sparse_attention"):  # the plan's jnp gathers meet them first
-            plan = build_prefill_plan(topk, cu_seqlens_q, seq_lens, max_blocks=cfg.max_blocks,
-                                      queries_per_tile=default_queries_per_tile(cfg.num_q_heads, cfg.num_kv_heads))
+        plan = build_prefill_plan(topk, cu_seqlens_q, seq_lens, max_blocks=cfg.max_blocks,
+                                  queries_per_tile=default_queries_per_tile(cfg.num_q_heads, cfg.num_kv_heads))
     else:
         _validation.check_plan(plan, cfg)
 
@@ -170,6 +168,7 @@ def decode_num_splits(cfg, q_len: int) -> int:
     return max(1, min(cfg.topk, (H200_SMS * DECODE_CTAS_PER_SM[cfg.kv_format]) // max(pairs, 1)))
 
 
+@_explained_sharding_errors("sparse_decode")
 def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=1, scale=None, return_lse=False,
                   impl="auto", k_scale=None, v_scale=None, q_scale=None):
     """MSA decode (speculative tokens: decode_query_len > 1). q [B * decode_query_len, Hq, D];
@@ -199,6 +198,7 @@ def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=
     return (out, lse) if return_lse else out
 
 
+@_explained_sharding_errors("write_kv")
 def write_kv(kv_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None, impl="auto"):
     """Writes new tokens k, v [N, Hkv, D] into the cache at slot_mapping [N] (slot = page * 128 + offset;
     a negative slot, or one beyond the cache, is skipped), quantizing for FP8 / NVFP4 caches. Returns the
