@@ -178,7 +178,7 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     if max(hkv * (rows + 1), hkv * edges) >= 2**31:
         raise ValueError("plan too large for int32 indices")
 
-    if batch == 0 or t_total == 0:  # nothing can be selected: the empty plan of these shapes
+    if batch == 0 or t_total == 0 or k == 0 or hkv == 0:  # nothing can be selected: the empty plan of the shapes
         cap = work_capacity(hkv, t_total, k, batch, max_blocks, queries_per_tile)
         return PrefillPlan(row_ptr=jnp.zeros((hkv, rows + 1), jnp.int32),
                            edge_query=jnp.full((hkv, edges), -1, jnp.int32),

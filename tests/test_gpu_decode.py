@@ -1,7 +1,9 @@
 """Decode kernel (cc/sm80, warp-MMA) vs the fp32 reference on the GPU (run on the H200: `.ci/gpu_run.sh test`).
 
-Every format x GQA 8/16 x q_len 1/4 x batch 1/7/64 with contexts off the 128 grid, plus corner cases (holes,
-short contexts, draft tokens straddling blocks, top-k sizes, FP8 query, query rows of extreme magnitude).
+Every format x GQA 8/16 x q_len 1/4 x batch 1/7/64 with contexts off the 128 grid (every top-k row also holds
+holes, ids beyond the sequence and duplicates), plus corner cases (rows of holes only, short contexts, draft tokens
+straddling blocks, contexts shorter than the draft (negative positions), valid blocks whose page is out of range,
+top-k sizes, FP8 query, query rows of extreme magnitude).
 Outputs are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1), so an unwritten element shows.
 Bound: the kernel's error against the fp32 reference is at most 2x the error of a bf16 jnp implementation
 (jax_msa.reference with precision="bf16") on the same inputs.
@@ -58,11 +60,17 @@ def make_case(seed, fmt, group, q_len, batch, *, corner=None):
         seq = rng.integers(q_len, 100, batch)
     if corner == "straddle":  # draft tokens fall in different blocks
         seq = 128 * rng.integers(1, 20, batch) + rng.integers(1, q_len, batch)
+    if corner == "early":  # contexts shorter than the draft: the first tokens sit at negative positions (empty sets)
+        seq = rng.integers(0, q_len, batch)
     seq = seq.astype(np.int32)
     max_blocks = 26
     perm = rng.permutation(PAGES).astype(np.int32)
     block_table = perm[: batch * max_blocks].reshape(batch, max_blocks)
     block_table[:, -1] = PAGES + 7  # a column no valid block reaches holds an invalid page id
+    if corner == "bad_pages":  # valid blocks whose page is out of range: holes, never read
+        bad = rng.random(block_table.shape) < 0.2
+        block_table[bad] = rng.choice(np.array([-1, -7, PAGES, PAGES + 9, np.iinfo(np.int32).max,
+                                                np.iinfo(np.int32).min], np.int32), size=int(bad.sum()))
     cache, scales = _random_cache(rng, fmt, PAGES, HKV, 0.75, 1.25)
     t = batch * q_len
     q = jnp.asarray(rng.standard_normal((t, hq, D)), jnp.bfloat16)
@@ -72,8 +80,8 @@ def make_case(seed, fmt, group, q_len, batch, *, corner=None):
         pos = seq[b] - q_len + tok % q_len
         n_blocks = -(-seq[b] // 128)
         for g in range(HKV):
-            row = list(rng.integers(0, n_blocks, K))
-            row[0] = pos // 128  # the local block
+            row = list(rng.integers(0, max(n_blocks, 1), K))
+            row[0] = pos // 128  # the local block (-1 at a negative position)
             for j in range(K):
                 r = rng.random()
                 if r < 0.15:
@@ -173,7 +181,7 @@ def test_decode_matrix(fmt, group, q_len, batch):
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
-@pytest.mark.parametrize("corner", ["holes", "short", "straddle"])
+@pytest.mark.parametrize("corner", ["holes", "short", "straddle", "early", "bad_pages"])
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
 def test_decode_corners(fmt, corner):
     check_case(make_case(7 + int(fmt), fmt, 16, 4, 5, corner=corner))

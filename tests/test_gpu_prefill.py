@@ -102,8 +102,9 @@ def test_prefill_topk_32(fmt):
 
 
 def test_prefill_corners():
-    # all-hole rows, a block chosen by every query, a request of one token
-    p = make_problem(11, q_lens=[600, 1], seq_lens=[900, 50], num_q_heads=16, num_kv_heads=1, topk=16,
+    # all-hole rows, a block chosen by every query, a request of one token, a request whose context is shorter than
+    # its new tokens (the first 10 sit at negative positions: empty sets)
+    p = make_problem(11, q_lens=[600, 1, 40], seq_lens=[900, 50, 30], num_q_heads=16, num_kv_heads=1, topk=16,
                      cache_from_kv=cache_maker(KVFormat.BF16))
     topk = np.array(p.topk)
     topk[0, ::7] = -1  # rows of holes only

@@ -325,6 +325,18 @@ def test_work_order_is_checked():
                            max_blocks=1, work_order="random")
 
 
+@pytest.mark.parametrize("work_order", ["row", "size", "token"])
+@pytest.mark.parametrize("hkv, k", [(2, 0), (0, 3)])
+def test_plan_without_edge_slots_is_empty_in_every_order(hkv, k, work_order):
+    """A top-k of width 0 (or no KV head) has no edge slot: the empty plan of those shapes in every work order (the
+    "token" order indexed its edges' first block out of an empty axis)."""
+    plan = jit_build(jnp.zeros((hkv, 5, k), jnp.int32), jnp.array([0, 5], jnp.int32), jnp.array([300], jnp.int32),
+                     max_blocks=3, work_order=work_order)
+    assert int(plan.num_work[0]) == 0
+    assert plan.edge_query.shape == (hkv, 5 * k) and plan.query_edge_count.shape == (hkv, 5)
+    assert not np.asarray(plan.row_ptr).any() and not np.asarray(plan.query_edge_count).any()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Static shapes: no retrace, no host sync
 # ---------------------------------------------------------------------------------------------------------
