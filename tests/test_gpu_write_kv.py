@@ -6,7 +6,8 @@ below the E4M3 subnormal range, negative zeros, all-zero groups, bf16 subnormals
 with -1, negative, out-of-range and INT32_MAX entries, and a cache pre-filled with random (NaN-free) bytes
 so that any stray write is caught. The expected cache is jax_msa.reference.write_kv computed on the CPU
 device (its divisions are the correctly rounded kvc.div_rn). Also: donation updates the cache in place,
-zero new tokens leave it untouched, and the GPU lowering is the custom call (never the reference).
+zero new tokens leave it untouched, the GPU lowering is the custom call (never the reference), and jit(vmap(...))
+over a donated stack of layer caches is one in-place call that writes each layer's bytes.
 """
 
 from __future__ import annotations
@@ -195,3 +196,31 @@ def test_cuda_write_kv_with_only_skipped_or_no_tokens_leaves_the_cache(fmt):
         out = _gpu_write(None, None)(*(jax.device_put(jnp.asarray(x), gpu) for x in (cache, k, v, slots)))
         got = _as_bytes(out)
         assert (got == _as_bytes(cache)).all(), _first_mismatch(got, _as_bytes(cache))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name.lower())
+def test_cuda_write_kv_vmapped_over_a_donated_stack(fmt):
+    """jit(vmap(write_kv)) over a donated stack of layer caches [L, P, ...] (and vmap(vmap(...)) over [2, L, P, ...]):
+    one custom call whose handler reads the leading dims as pages (jax_msa/_batching.py), updating the stack in place,
+    byte for byte what the jnp writer gives layer by layer on the CPU. Each layer's slots include ones just past its
+    own pages (P * 128 + x): skipped, never landing in the next layer's pages."""
+    layers, pages, hkv, d = 6, 4, 4, 128
+    probs = [_problem(fmt, d, hkv, seed=500 + 10 * int(fmt) + i, pages=pages) for i in range(layers)]
+    k_scale, v_scale = probs[0][4], probs[0][5]
+    want = np.stack([_expected_on_cpu(c, k, v, s, k_scale, v_scale) for c, k, v, s, _, _ in probs])
+    stacked = [np.stack([p[i] for p in probs]) for i in range(4)]  # cache, k, v, slots
+    assert ((stacked[3] >= pages * PAGE) & (stacked[3] < 2 * pages * PAGE)).any()  # slots in a neighbour's range
+
+    def write(cache, k, v, slots):
+        return jax_msa.write_kv(cache, k, v, slots, k_scale=k_scale, v_scale=v_scale, impl="kernel")
+
+    gpu = _gpu()
+    for fn, lead in ((jax.vmap(write), (layers,)), (jax.vmap(jax.vmap(write)), (2, layers // 2))):
+        args = [jax.device_put(jnp.asarray(x.reshape(*lead, *x.shape[1:])), gpu) for x in stacked]
+        compiled = jax.jit(fn, donate_argnums=0).lower(*args).compile()
+        assert compiled.as_text().count('custom_call_target="jax_msa_write_kv"') == 1
+        pointer = args[0].unsafe_buffer_pointer()
+        out = compiled(*args)
+        assert args[0].is_deleted() and out.unsafe_buffer_pointer() == pointer
+        got = _as_bytes(out).reshape(want.shape)
+        assert (got == want).all(), _first_mismatch(got, want)
