@@ -8,6 +8,8 @@
 #pragma once
 #include <cmath>
 
+#include "cuda/exp2_approx.cuh"
+
 namespace jax_msa::sm80 {
 
 constexpr float kRescaleThreshold = 8.0f;
@@ -32,7 +34,7 @@ struct OnlineSoftmax {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
       // -inf + threshold = -inf: the first finite score always moves m (alpha = 0 on an empty accumulator)
       const bool move = mx[r] > m[r] + kRescaleThreshold;
-      alpha[r] = move ? exp2f(m[r] - mx[r]) : 1.0f;
+      alpha[r] = move ? exp2_approx(m[r] - mx[r]) : 1.0f;
       m[r] = move ? mx[r] : m[r];
     }
     float row_sum[2] = {0.0f, 0.0f};
@@ -41,7 +43,7 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float base = m[e >> 1] == -INFINITY ? 0.0f : m[e >> 1];
-        const float pr = exp2f(s[nt][e] - base);
+        const float pr = exp2_approx(s[nt][e] - base);
         s[nt][e] = pr;
         row_sum[e >> 1] += pr;
       }

@@ -69,6 +69,20 @@ __device__ __forceinline__ void e2m1x8_to_f16x8(uint32_t w, uint32_t (&o)[4]) {
   o[3] = e4m3x2_hi_to_f16x2(d4567);
 }
 
+// Eight e2m1 values (4 bytes, low nibble first) -> four f16x2, each value times 2^-14, in split-pair order: register r
+// holds values r and r + 4 (RegisterDims::kLaneSplitPairs, config.h). The e2m1 code s.ee.m placed as the f16 code
+// s.000ee.m000000000 is the value times 2^-14, the subnormal 0.5 included. Two words hold the codes' high bytes (of
+// the even and of the odd nibbles), one byte permute with zero places two of them a register: no conversion
+// instruction (they run at a quarter of the integer pipe's rate on sm_90).
+__device__ __forceinline__ void e2m1x8_to_f16x8_split_pairs(uint32_t w, uint32_t (&o)[4]) {
+  const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0e0e0e0eu);  // byte b: the code of value 2 b
+  const uint32_t odd = (w & 0x80808080u) | ((w >> 3) & 0x0e0e0e0eu);          // byte b: the code of value 2 b + 1
+  o[0] = __byte_perm(even, 0u, 0x2404u);  // values 0, 4
+  o[1] = __byte_perm(odd, 0u, 0x2404u);   // values 1, 5
+  o[2] = __byte_perm(even, 0u, 0x3414u);  // values 2, 6
+  o[3] = __byte_perm(odd, 0u, 0x3414u);   // values 3, 7
+}
+
 template <KvFormat F>
 struct ChunkIO;
 
@@ -78,17 +92,28 @@ struct ChunkIO;
 
 template <>
 struct ChunkIO<KvFormat::kBf16> {
+  static constexpr float kRegisterValueFactor = 1.0f;  // the values are the cache's (read by ldmatrix)
+
+  // Copy i (0..15) of lane l: K (i < 8) or V, key key0 + 2 (i % 8) + l / 16, unit l % 16, so one source address a
+  // chunk plus immediates. key0 is a multiple of 16, so the swizzle term key % 8 = (2 i + l / 16) % 8 repeats every 4
+  // copies: 4 lane offsets, the same every chunk.
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
                                               ChunkRef c, int key0, int lane) {
-    const uint8_t* base = static_cast<const uint8_t*>(cache) +
-                          ((c.page * num_kv_heads + g) * kPageSize + c.half * kChunkKeys) * int64_t(2 * kBf16RowBytes);
+    const int unit = lane & 15, key_lane = key0 + (lane >> 4);
+    const uint8_t* src = static_cast<const uint8_t*>(cache) +
+                         ((c.page * num_kv_heads + g) * kPageSize + c.half * kChunkKeys + key_lane) *
+                             int64_t(2 * kBf16RowBytes) +
+                         unit * 16;
+    uint8_t* dst = stage + key_lane * kBf16RowBytes;
+    int swizzle[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) swizzle[m] = (unit ^ ((2 * m + (lane >> 4)) & 7)) << 4;
 #pragma unroll
     for (int i = 0; i < 2 * kKeysPerWarp * 16 / 32; ++i) {  // 512 units of 16 B per warp
-      const int idx = i * 32 + lane;
-      const int kv = idx >> 8, key = key0 + ((idx >> 4) & 15), unit = idx & 15;
+      const int kv = i >> 3, j = i & 7;
       // a key past the visible ones is zero-filled: no byte is read, and its address stays inside the page anyway
-      const uint8_t* src = base + key * (2 * kBf16RowBytes) + kv * kBf16RowBytes + unit * 16;
-      cp_async_16(stage + kv * kBf16TileBytes + swizzled_offset(key, unit), src, key < c.visible);
+      cp_async_16(dst + kv * kBf16TileBytes + 2 * j * kBf16RowBytes + swizzle[j & 3],
+                  src + 2 * j * (2 * kBf16RowBytes) + kv * kBf16RowBytes, key_lane + 2 * j < c.visible);
     }
   }
 };
@@ -96,17 +121,23 @@ struct ChunkIO<KvFormat::kBf16> {
 // ---- FP8 E4M3: raw rows of 128 B, then e4m3 -> bf16 by bit placement and one exact multiply ------------
 template <>
 struct ChunkIO<KvFormat::kFp8> {
+  // Copy i (0..7) of lane l: K (i < 4) or V, key key0 + 4 (i % 4) + l / 8, unit l % 8: one source address a chunk plus
+  // immediates; the swizzle term key % 8 = (4 i + l / 8) % 8 repeats every 2 copies (key0 is a multiple of 16).
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
                                               ChunkRef c, int key0, int lane) {
-    const uint8_t* base = static_cast<const uint8_t*>(cache) +
-                          ((c.page * num_kv_heads + g) * kPageSize + c.half * kChunkKeys) * int64_t(2 * kHeadDim);
+    const int unit = lane & 7, key_lane = key0 + (lane >> 3);
+    const uint8_t* src = static_cast<const uint8_t*>(cache) +
+                         ((c.page * num_kv_heads + g) * kPageSize + c.half * kChunkKeys + key_lane) *
+                             int64_t(2 * kHeadDim) +
+                         unit * 16;
+    uint8_t* dst = stage + key_lane * kHeadDim;
+    const int swizzle[2] = {(unit ^ ((lane >> 3) & 7)) << 4, (unit ^ ((4 + (lane >> 3)) & 7)) << 4};
 #pragma unroll
     for (int i = 0; i < 2 * kKeysPerWarp * 8 / 32; ++i) {  // 256 units of 16 B per warp
-      const int idx = i * 32 + lane;
-      const int kv = idx >> 7, key = key0 + ((idx >> 3) & 15), unit = idx & 7;
+      const int kv = i >> 2, j = i & 3;
       // a key past the visible ones is zero-filled: no byte is read, and its address stays inside the page anyway
-      const uint8_t* src = base + key * (2 * kHeadDim) + kv * kHeadDim + unit * 16;
-      cp_async_16(stage + raw_offset(kv, key, unit), src, key < c.visible);
+      cp_async_16(dst + kv * (kChunkKeys * kHeadDim) + 4 * j * kHeadDim + swizzle[j & 1],
+                  src + 4 * j * (2 * kHeadDim) + kv * kHeadDim, key_lane + 4 * j < c.visible);
     }
   }
 
@@ -117,8 +148,11 @@ struct ChunkIO<KvFormat::kFp8> {
     return kv * (kChunkKeys * kHeadDim) + key * kHeadDim + ((unit ^ (key & 7)) << 4);
   }
 
+  static constexpr float kRegisterValueFactor = 1.0f;  // the register path's values are the cache's
+
   // The decode kernel's register path: dims [32 c, 32 c + 32) of row `key` of K (kv = 0) or V as 16 f16x2 registers,
-  // register i = dims (32 c + 2 i, 32 c + 2 i + 1); one hardware conversion per register, exact.
+  // register i = dims (32 c + 2 i, 32 c + 2 i + 1) (RegisterDims::kLanePairs); one hardware conversion per register,
+  // exact.
   static __device__ __forceinline__ void row_f16(const uint8_t* stage, const ChunkRef&, int kv, int key, int c,
                                                  uint32_t (&out)[16]) {
 #pragma unroll
@@ -226,28 +260,32 @@ struct ChunkIO<KvFormat::kNvfp4> {
                   });
   }
 
+  // The register path's values are the cache's times kRegisterValueFactor (the kernel folds its inverse into k_scale
+  // and v_scale).
+  static constexpr float kRegisterValueFactor = 1.0f / 128.0f;
+
   // The decode kernel's register path, without a table: dims [32 c, 32 c + 32) of row `key` of K (kv = 0) or V as
-  // 16 f16x2 registers, register i = dims (32 c + 2 i, 32 c + 2 i + 1). e2m1 -> f16 by bit placement and the
-  // hardware e4m3 conversion (value x 2^-6), times the block scale x 2^6 in f16. Exact: e2m1 x e4m3 has at most 6
-  // significant bits and lies in [2^-10, 2688] (or is 0), inside f16's normal range. The scale bytes of invisible
-  // keys may hold anything (even NaN): their scale is taken as 0.
+  // 16 f16x2 registers in split-pair order (register 4 j + r = dims 32 c + 8 j + r and + 4). e2m1 placed as f16
+  // (value x 2^-14) times the block scale x 2^7 in f16 (448 x 2^7 < 65504): e2m1 x scale x 2^-7, a multiple of
+  // 2^-17 (0.5 x 2^-9 x 2^-7) with at most 6 significant bits, exact in f16 (whose subnormals are the multiples of
+  // 2^-24), normal or not. The scale bytes of invisible keys may hold anything (even NaN): their scale is taken as 0.
   static __device__ __forceinline__ void row_f16(const uint8_t* stage, const ChunkRef& c, int kv, int key, int quad,
                                                  uint32_t (&out)[16]) {
     const uint8_t* half = stage + kv * kHalfBytes;
     const uint4 raw = *reinterpret_cast<const uint4*>(half + key * (kHeadDim / 2) + quad * 16);
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
     const bool live = key < c.visible;
-    const __half2 k64 = __floats2half2_rn(64.0f, 64.0f);
+    const __half2 k128 = __floats2half2_rn(128.0f, 128.0f);
 #pragma unroll
     for (int grp = 0; grp < 2; ++grp) {
       const int group = 2 * quad + grp;  // 16-value scale group of words 2 grp, 2 grp + 1
       const uint32_t sf_byte = half[T::kDataBytes + scale_offset(kv, key, group)];
       const uint32_t sf_bits = e4m3x2_to_f16x2(sf_byte | (sf_byte << 8));
-      const __half2 sf2 = live ? __hmul2(*reinterpret_cast<const __half2*>(&sf_bits), k64) : __half2{};
+      const __half2 sf2 = live ? __hmul2(*reinterpret_cast<const __half2*>(&sf_bits), k128) : __half2{};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         uint32_t v[4];
-        e2m1x8_to_f16x8(w[2 * grp + j], v);
+        e2m1x8_to_f16x8_split_pairs(w[2 * grp + j], v);
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
           const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&v[b]), sf2);

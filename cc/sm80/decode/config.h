@@ -5,10 +5,10 @@
 //   pipeline  : chunks of 64 keys (half a block) of K and V, cp.async (zero-fill past the visible keys),
 //               kStages deep. bf16 chunks are read by ldmatrix. FP8 and NVFP4 chunks stay raw in shared memory and
 //               go straight into the MMA registers as f16 (the register path, kRegisterPath: exact hardware
-//               e4m3 -> f16 conversion on sm_89+, e2m1 placed as e4m3 by bit operations; V transposed by movmatrix),
+//               e4m3 -> f16 conversion on sm_89+, e2m1 placed as f16 by bit operations; V transposed by movmatrix),
 //               so their MMAs take f16 operands (kOperand; the query is scaled into f16 per row). On that path lane l
-//               owns dims [32 (l % 4), +32) of Q, K and V: the MMA's k order over dims is permuted (QK^T does not
-//               care) and the O accumulator's dims with it (undone in the epilogue)
+//               owns dims [32 (l % 4), +32) of Q, K and V (kRegisterDims): the MMA's k order over dims is permuted
+//               (QK^T does not care) and the O accumulator's dims with it (undone in the epilogue)
 //   query     : staged once per CTA in shared memory (coalesced cp.async into the last pipeline stage, which the
 //               loop first fills at chunk 0); each warp reads its Q fragments from there. The fragments then stay in
 //               registers, or (kQFragmentsInShared: FP8, whose 4 CTAs an SM leave 128 registers a thread) in a
@@ -41,6 +41,20 @@ constexpr int kQTileBytes = kRows * kHeadDim * 2;           // 4 KB: the query o
 
 static_assert(kKeysPerWarp == 16, "each warp takes one k16 step of keys per chunk");
 
+// Which dims of a row the MMA registers of lane l hold (K and V as the B operand, Q as the A operand, O's n order):
+//   kMma            : the MMA's own order (ldmatrix path)
+//   kLanePairs      : register path; lane l owns dims [32 (l % 4), +32), its register i holds dims 32 (l % 4) + 2 i, +1
+//   kLaneSplitPairs : register path; register i = 4 j + r holds dims 32 (l % 4) + 8 j + r and + 4 (one byte permute
+//                     places values r and r + 4 of an NVFP4 word, chunk_io.cuh)
+enum class RegisterDims { kMma, kLanePairs, kLaneSplitPairs };
+
+// The dim that half h (0: low) of register i (0..15) of lane `lane` holds on the register path
+template <RegisterDims D>
+__host__ __device__ constexpr int register_dim(int lane, int i, int h) {
+  static_assert(D != RegisterDims::kMma, "the ldmatrix path's order is the MMA's");
+  return D == RegisterDims::kLanePairs ? 32 * (lane & 3) + 2 * i + h : 32 * (lane & 3) + 8 * (i >> 2) + (i & 3) + 4 * h;
+}
+
 template <KvFormat F>
 struct FormatTraits;
 
@@ -52,6 +66,7 @@ struct FormatTraits<KvFormat::kBf16> {
   static constexpr int kStages = 3;
   static constexpr int kStageBytes = 2 * kBf16TileBytes;  // K | V, swizzled bf16 (read by ldmatrix)
   static constexpr bool kRegisterPath = false;
+  static constexpr RegisterDims kRegisterDims = RegisterDims::kMma;
   static constexpr int kCtasPerSm = 2;
   static constexpr bool kQFragmentsInShared = false;
   static constexpr MmaOperand kOperand = MmaOperand::kBf16;
@@ -62,6 +77,7 @@ struct FormatTraits<KvFormat::kFp8> {
   static constexpr int kStages = 3;
   static constexpr int kStageBytes = 2 * kChunkKeys * kHeadDim;  // K | V, raw e4m3 rows of 128 B (units swizzled)
   static constexpr bool kRegisterPath = true;
+  static constexpr RegisterDims kRegisterDims = RegisterDims::kLanePairs;  // one conversion a register
   static constexpr int kCtasPerSm = 4;
   static constexpr bool kQFragmentsInShared = true;  // 128 registers a thread: the 32 of Q would spill
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
@@ -75,6 +91,7 @@ struct FormatTraits<KvFormat::kNvfp4> {
   static constexpr int kStages = 7;
   static constexpr int kStageBytes = 2 * (kDataBytes + kScaleBytes);
   static constexpr bool kRegisterPath = true;
+  static constexpr RegisterDims kRegisterDims = RegisterDims::kLaneSplitPairs;  // no conversion instruction
   static constexpr int kCtasPerSm = 3;
   static constexpr bool kQFragmentsInShared = false;
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16

@@ -78,8 +78,10 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   // that their round trip overlaps the others
   const bool quantized = F != KvFormat::kBf16;
   const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
-  const float k_scale = quantized ? p.scales[kKScale] : 1.0f;
-  const float v_scale = quantized ? p.scales[kVScale] : 1.0f;
+  // the register path's K and V values are the cache's times kRegisterValueFactor (NVFP4: 2^-7)
+  constexpr float kUnscale = 1.0f / ChunkIO<F>::kRegisterValueFactor;
+  const float k_scale = quantized ? p.scales[kKScale] * kUnscale : 1.0f;
+  const float v_scale = quantized ? p.scales[kVScale] * kUnscale : 1.0f;
 
   // ---- 2. the valid, deduplicated blocks of (t, g): one warp ballot; this split's share; its chunks
   if (warp == 0) {
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     cute::cp_async_wait<Traits::kStages - 1>();  // the query group (the oldest) has landed, the KV stages may not
     __syncthreads();                             // ... for every thread's units
     uint32_t q_raw[8][4];
-    read_q_raw<kRegisterPath, kQFp8>(q_tile, lane, q_raw);
+    read_q_raw<Traits::kRegisterDims, kQFp8>(q_tile, lane, q_raw);
     uint32_t qf[8][4];
     if constexpr (Traits::kQFragmentsInShared) {  // converted before the barrier that publishes warp 0's copy
       q_fragments_from_raw<kOp, kQFp8>(q_raw, qf, row_scale);
@@ -157,15 +159,35 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   OnlineSoftmax softmax;
 
-  // ---- 5. per-warp pipeline over the chunks
+  // The ldmatrix path's addresses in a stage: K as x4 (keys key0 + 8 (l / 16) + l % 8, unit 2 ks + (l / 8) % 2) and V
+  // as x4.trans (keys key0 + 8 ((l / 8) % 2) + l % 8, unit 2 m + l / 16 for dims 16 m ..). Both rows have key % 8 =
+  // l % 8, so the swizzled unit (2 m + h) ^ (l % 8) of step m + 4 is step m's plus 8 units (128 B): 4 lane offsets
+  // each, the rest immediates.
+  int k_ldsm[4], v_ldsm[4];
+  if constexpr (!kRegisterPath) {
+    const int k_key = key0 + ((lane >> 4) << 3) + (lane & 7), v_key = key0 + (((lane >> 3) & 1) << 3) + (lane & 7);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      k_ldsm[m] = k_key * kBf16RowBytes + (((2 * m + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
+      v_ldsm[m] = kBf16TileBytes + v_key * kBf16RowBytes + (((2 * m + (lane >> 4)) ^ (lane & 7)) << 4);
+    }
+  }
+
+  // ---- 5. per-warp pipeline over the chunks; stage indices as wrapping counters (chunk c reads stage c % kStages,
+  //         refills stage (c + kStages - 1) % kStages)
+  int read_stage = 0, write_stage = Traits::kStages - 1;
   for (int c = 0; c < n_chunks; ++c) {
     cute::cp_async_wait<Traits::kStages - 2>();
     __syncwarp();  // the warp's rows of chunk c have landed; its rows of chunk c-1's stage are free
     const int next = c + Traits::kStages - 1;
-    if (next < n_chunks) ChunkIO<F>::load(stage_ptr(next), p.kv_cache, p.num_kv_heads, g, s_chunks[next], key0, lane);
+    if (next < n_chunks)
+      ChunkIO<F>::load(stages + write_stage * Traits::kStageBytes, p.kv_cache, p.num_kv_heads, g, s_chunks[next], key0,
+                       lane);
     cute::cp_async_fence();
     const ChunkRef ref = s_chunks[c];
-    const uint8_t* stage = stage_ptr(c);
+    const uint8_t* stage = stages + read_stage * Traits::kStageBytes;
+    read_stage = read_stage == Traits::kStages - 1 ? 0 : read_stage + 1;
+    write_stage = write_stage == Traits::kStages - 1 ? 0 : write_stage + 1;
 
     // S = Q K^T over the warp's 16 keys: 2 n-tiles (keys key0 + lane / 4, + 8) x 8 k-steps
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -181,12 +203,10 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
         mma_16x8x16<kOp>(s[1], qa, k_regs[1][2 * ks], k_regs[1][2 * ks + 1]);
       }
     } else {
-      const int key = key0 + ((lane >> 4) << 3) + (lane & 7);
-      const int unit_hi = (lane >> 3) & 1;
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
         uint32_t b00, b01, b10, b11;
-        ldsm_x4(stage + swizzled_offset(key, 2 * ks + unit_hi), b00, b01, b10, b11);
+        ldsm_x4(stage + k_ldsm[ks & 3] + (ks & 4) * 32, b00, b01, b10, b11);  // swizzled_offset(key, 2 ks + unit)
         uint32_t qa[4];
         q_source.fetch(ks, qa);
         mma_16x8x16<kOp>(s[0], qa, b00, b01);
@@ -216,13 +236,10 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
 #pragma unroll
       for (int t = 0; t < 16; ++t) mma_16x8x16<kOp>(acc[t], pa, movmatrix_t(v_regs[0][t]), movmatrix_t(v_regs[1][t]));
     } else {
-      const uint8_t* v_tile = stage + kBf16TileBytes;
-      const int key = key0 + (((lane >> 3) & 1) << 3) + (lane & 7);
-      const int unit_hi = lane >> 4;
 #pragma unroll
       for (int dn = 0; dn < 16; dn += 2) {
         uint32_t b00, b01, b10, b11;
-        ldsm_x4_t(v_tile + swizzled_offset(key, dn + unit_hi), b00, b01, b10, b11);
+        ldsm_x4_t(stage + v_ldsm[(dn >> 1) & 3] + (dn & 8) * 16, b00, b01, b10, b11);  // swizzled_offset(key, dn + unit)
         mma_16x8x16<kOp>(acc[dn], pa, b00, b01);
         mma_16x8x16<kOp>(acc[dn + 1], pa, b10, b11);
       }
@@ -240,13 +257,28 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     s_l[warp][r0] = softmax.l[0];
     s_l[warp][r0 + 8] = softmax.l[1];
   }
+  if constexpr (Traits::kRegisterDims == RegisterDims::kLaneSplitPairs) {
+    // n-tiles 4 j + r hold dims 32 (l % 4) + 8 j + r (accumulator values 0, 2) and + 4 (1, 3): two float4 a row and j
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {  // n-tile i: dims i * 8 + 2 (l % 4), +1 (ldmatrix path) or 32 (l % 4) + 2 i, +1
-    const int d = kRegisterPath ? 32 * (lane & 3) + 2 * i : i * 8 + c2;
-    float* w0 = merge + merge_offset(warp, r0, d >> 2) + (d & 3);
-    float* w1 = merge + merge_offset(warp, r0 + 8, d >> 2) + (d & 3);
-    *reinterpret_cast<float2*>(w0) = make_float2(acc[i][0], acc[i][1]);
-    *reinterpret_cast<float2*>(w1) = make_float2(acc[i][2], acc[i][3]);
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int u = (register_dim<RegisterDims::kLaneSplitPairs>(lane, 4 * j, h)) >> 2;
+        *reinterpret_cast<float4*>(merge + merge_offset(warp, r0, u)) =
+            make_float4(acc[4 * j][h], acc[4 * j + 1][h], acc[4 * j + 2][h], acc[4 * j + 3][h]);
+        *reinterpret_cast<float4*>(merge + merge_offset(warp, r0 + 8, u)) =
+            make_float4(acc[4 * j][2 + h], acc[4 * j + 1][2 + h], acc[4 * j + 2][2 + h], acc[4 * j + 3][2 + h]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {  // n-tile i: dims i * 8 + 2 (l % 4), +1 (ldmatrix path) or 32 (l % 4) + 2 i, +1
+      const int d = kRegisterPath ? register_dim<RegisterDims::kLanePairs>(lane, i, 0) : i * 8 + c2;
+      float* w0 = merge + merge_offset(warp, r0, d >> 2) + (d & 3);
+      float* w1 = merge + merge_offset(warp, r0 + 8, d >> 2) + (d & 3);
+      *reinterpret_cast<float2*>(w0) = make_float2(acc[i][0], acc[i][1]);
+      *reinterpret_cast<float2*>(w1) = make_float2(acc[i][2], acc[i][3]);
+    }
   }
   __syncthreads();
 

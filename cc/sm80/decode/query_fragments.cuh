@@ -57,24 +57,34 @@ __device__ __forceinline__ float2 q_pair_to_float2(uint32_t raw) {
   return make_float2(__uint_as_float(raw << 16), __uint_as_float(raw & 0xffff0000u));
 }
 
-// The first of the two dims that k-step ks, registers j and j + 1 (j = 0 or 2) of an A or B fragment hold in lane
-// `lane`: the MMA's own order (ldmatrix path), or the register path's, where lane l owns dims [32 (l % 4), +32) and
-// k-step ks takes dims 32 (l % 4) + 4 ks + {0, 1} (j = 0) and + {2, 3} (j = 2).
-template <bool kLaneDims>
-__device__ __forceinline__ int fragment_dim(int lane, int ks, int j) {
-  return kLaneDims ? 32 * (lane & 3) + 4 * ks + j : 16 * ks + 2 * (lane & 3) + 4 * j;
+// One query element (row, d) from the tile: bf16 bits or the e4m3 byte.
+template <bool kQFp8>
+__device__ __forceinline__ uint32_t q_element_raw(const uint8_t* q_tile, int row, int d) {
+  if constexpr (kQFp8) return q_tile[q_tile_offset<true>(row, d)];
+  return *reinterpret_cast<const uint16_t*>(q_tile + q_tile_offset<false>(row, d));
 }
 
-// Q as stored, in the A-operand places of 8 k-steps: rows lane/4 (registers 0, 2) and lane/4 + 8 (1, 3), dims as
-// fragment_dim places them; read from the staged query tile.
-template <bool kLaneDims, bool kQFp8>
+// Q as stored, in the A-operand places of 8 k-steps: rows lane/4 (registers 0, 2) and lane/4 + 8 (1, 3). A register
+// j of k-step ks pairs with B register 2 ks + j / 2 of K, so it holds the dims that K register holds (kDims,
+// config.h); the ldmatrix path's are the MMA's own, dims 16 ks + 2 (lane % 4) + 8 (j / 2), +1.
+template <RegisterDims kDims, bool kQFp8>
 __device__ __forceinline__ void read_q_raw(const uint8_t* q_tile, int lane, uint32_t (&raw)[8][4]) {
   const int r0 = lane >> 2;
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      raw[ks][j] = q_pair_raw<kQFp8>(q_tile, r0 + 8 * (j & 1), fragment_dim<kLaneDims>(lane, ks, j & 2));
+    for (int j = 0; j < 4; ++j) {
+      const int row = r0 + 8 * (j & 1);
+      if constexpr (kDims == RegisterDims::kLaneSplitPairs) {
+        const int i = 2 * ks + (j >> 1);
+        raw[ks][j] = q_element_raw<kQFp8>(q_tile, row, register_dim<kDims>(lane, i, 0)) |
+                     (q_element_raw<kQFp8>(q_tile, row, register_dim<kDims>(lane, i, 1)) << (kQFp8 ? 8 : 16));
+      } else if constexpr (kDims == RegisterDims::kLanePairs) {
+        raw[ks][j] = q_pair_raw<kQFp8>(q_tile, row, register_dim<kDims>(lane, 2 * ks + (j >> 1), 0));
+      } else {
+        raw[ks][j] = q_pair_raw<kQFp8>(q_tile, row, 16 * ks + 2 * (lane & 3) + 8 * (j >> 1));
+      }
+    }
   }
 }
 

@@ -15,6 +15,7 @@
 #include "common/params.h"
 #include "common/partial_order.h"
 #include "common/plan_view.h"
+#include "cuda/exp2_approx.cuh"
 #include "cuda/prefill_work_item.cuh"
 #include "cuda/shared_memory.cuh"
 #include "sm80/common/register_pack.cuh"
@@ -306,14 +307,6 @@ __device__ __forceinline__ void issue_scores(const SharedStorage::Stage& sg, int
     }
   }
   warpgroup_commit_batch();
-}
-
-// 2^x on the MUFU unit (ex2.approx.ftz: 2 ulp, -inf -> +0). exp2f adds a subnormal fix-up of four instructions a value;
-// the values here are at most 1 (up to the rounding of m) and feed a bf16 P and an fp32 row sum of at least 1.
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // The softmax of this thread's two rows over the block, in place: S -> exp2(S scale_log2 - m) (fp32), m the row max in
