@@ -223,6 +223,24 @@ def test_decode_query_magnitudes(fmt):
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("regime", ["subnormal", "large", "mixed"])
+def test_decode_nvfp4_block_scale_range(regime):
+    """NVFP4 block scales at both ends of e4m3: zero and the subnormal codes (2^-9 .. 7 x 2^-9), and 128 .. 448. The
+    register path computes e2m1 x scale x 2^-7 in f16 (cc/sm80/decode/chunk_io.cuh), exact only if neither end
+    underflows nor overflows f16; a regime of its own each, so that the small end is not swamped by the large."""
+    case = make_case(61 + len(regime), KVFormat.NVFP4, 16, 2, 5)
+    rng = np.random.default_rng(len(regime))
+    cache = np.asarray(case["kv_cache"]).copy()
+    flat = cache.reshape(cache.shape[0], cache.shape[1], -1)
+    low, high = np.arange(0, 8, dtype=np.uint8), np.arange(0x70, 0x7F, dtype=np.uint8)  # e4m3 0x7e = 448
+    codes = {"subnormal": low, "large": high, "mixed": np.concatenate([low, high])}[regime]
+    n_sf = 128 * D // 16
+    flat[:, :, -n_sf:] = rng.choice(codes, size=flat[:, :, -n_sf:].shape)
+    case["kv_cache"] = jnp.asarray(cache)
+    check_case(case)
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 def test_decode_deterministic():
     case = make_case(5, KVFormat.NVFP4, 16, 1, 2)
     a = run_kernel(case)

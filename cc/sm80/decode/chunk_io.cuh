@@ -209,28 +209,31 @@ struct ChunkIO<KvFormat::kNvfp4> {
   static constexpr int kHalfBytes = T::kDataBytes + T::kScaleBytes;  // K (or V) part of a stage
   static constexpr int kWarpScaleBytes = kKeysPerWarp * kHeadDim / 16;  // 128: contiguous for K and for V
 
+  // Data copy i (0..3) of lane l: K (i < 2) or V, key key0 + 8 (i % 2) + l / 4, unit l % 4 of the key's 64 bytes: one
+  // source address a chunk plus immediates (the V slot follows the K slot at slot_bytes()).
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
                                               ChunkRef c, int key0, int lane) {
-    const Nvfp4Slot slot{kHeadDim};
+    constexpr Nvfp4Slot kSlot{kHeadDim};
     constexpr int kDataUnits = kKeysPerWarp * kHeadDim / 2 / 16;  // 64 per K or V: 4 per token
     constexpr int kScaleUnits = kWarpScaleBytes / 16;              // 8 per K or V
     static_assert(kDataUnits == 2 * 32 && 2 * kScaleUnits <= 32, "4 data units a lane, one scale unit on 16 lanes");
-    const uint8_t* k_slot = static_cast<const uint8_t*>(cache) + slot.slot_offset(c.page, num_kv_heads, g, 0);
+    const uint8_t* k_slot = static_cast<const uint8_t*>(cache) + kSlot.slot_offset(c.page, num_kv_heads, g, 0);
+    const int key_lane = key0 + (lane >> 2), unit = lane & 3;
+    const uint8_t* src = k_slot + (c.half * kChunkKeys + key_lane) * (kHeadDim / 2) + unit * 16;
+    uint8_t* dst = stage + key_lane * (kHeadDim / 2) + unit * 16;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // data: K units 0-63, then V's
-      const int kv = i >> 1, u = (i & 1) * 32 + lane;
-      const int key = key0 + (u >> 2);
+      const int kv = i >> 1, j = i & 1;
       // a key past the visible ones is zero-filled: no byte is read, and its address stays inside the slot anyway
-      const uint8_t* src =
-          k_slot + kv * slot.slot_bytes() + (c.half * kChunkKeys + key) * (kHeadDim / 2) + (u & 3) * 16;
-      cp_async_16(stage + kv * kHalfBytes + key * (kHeadDim / 2) + (u & 3) * 16, src, key < c.visible);
+      cp_async_16(dst + kv * kHalfBytes + 8 * j * (kHeadDim / 2),
+                  src + kv * kSlot.slot_bytes() + 8 * j * (kHeadDim / 2), key_lane + 8 * j < c.visible);
     }
     // scales: K linear (t*8 + c) and V quads ((t/4)*32 + 4c + t%4) both cover [8*key0, +128)
     if (lane < 2 * kScaleUnits) {
       const int kv = lane / kScaleUnits;
       const int off = key0 * (kHeadDim / 16) + (lane % kScaleUnits) * 16;
-      const uint8_t* src = k_slot + kv * slot.slot_bytes() + slot.data_bytes() + c.half * T::kScaleBytes + off;
-      cp_async_16(stage + kv * kHalfBytes + T::kDataBytes + off, src, true);
+      const uint8_t* scale_src = k_slot + kv * kSlot.slot_bytes() + kSlot.data_bytes() + c.half * T::kScaleBytes + off;
+      cp_async_16(stage + kv * kHalfBytes + T::kDataBytes + off, scale_src, true);
     }
   }
 
@@ -275,13 +278,22 @@ struct ChunkIO<KvFormat::kNvfp4> {
     const uint4 raw = *reinterpret_cast<const uint4*>(half + key * (kHeadDim / 2) + quad * 16);
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
     const bool live = key < c.visible;
-    const __half2 k128 = __floats2half2_rn(128.0f, 128.0f);
+    // the scale bytes of groups 2 quad and 2 quad + 1, low byte first: adjacent for K; for V, bytes key % 4 and
+    // 4 + key % 4 of the 8-byte unit at (key / 4) * 32 + 8 quad
+    const uint8_t* scales = half + T::kDataBytes;
+    uint32_t sf_pair;
+    if (kv == 0) {
+      sf_pair = *reinterpret_cast<const uint16_t*>(scales + scale_offset(0, key, 2 * quad));
+    } else {
+      const uint2 unit = *reinterpret_cast<const uint2*>(scales + (key >> 2) * 32 + 8 * quad);
+      sf_pair = __byte_perm(unit.x, unit.y, (key & 3) | ((4 + (key & 3)) << 4));
+    }
+    const uint32_t sf_bits = e4m3x2_to_f16x2(sf_pair);
+    const __half2 sf01 = live ? __hmul2(*reinterpret_cast<const __half2*>(&sf_bits), __floats2half2_rn(128.0f, 128.0f))
+                              : __half2{};
 #pragma unroll
-    for (int grp = 0; grp < 2; ++grp) {
-      const int group = 2 * quad + grp;  // 16-value scale group of words 2 grp, 2 grp + 1
-      const uint32_t sf_byte = half[T::kDataBytes + scale_offset(kv, key, group)];
-      const uint32_t sf_bits = e4m3x2_to_f16x2(sf_byte | (sf_byte << 8));
-      const __half2 sf2 = live ? __hmul2(*reinterpret_cast<const __half2*>(&sf_bits), k128) : __half2{};
+    for (int grp = 0; grp < 2; ++grp) {  // 16-value scale group 2 quad + grp: words 2 grp, 2 grp + 1
+      const __half2 sf2 = grp == 0 ? __low2half2(sf01) : __high2half2(sf01);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         uint32_t v[4];
