@@ -228,14 +228,43 @@ def test_decode_nvfp4_block_scale_range(regime):
     """NVFP4 block scales at both ends of e4m3: zero and the subnormal codes (2^-9 .. 7 x 2^-9), and 128 .. 448. The
     register path computes e2m1 x scale x 2^-7 in f16 (cc/sm80/decode/chunk_io.cuh), exact only if neither end
     underflows nor overflows f16; a regime of its own each, so that the small end is not swamped by the large."""
-    case = make_case(61 + len(regime), KVFormat.NVFP4, 16, 2, 5)
-    rng = np.random.default_rng(len(regime))
+    index = ["subnormal", "large", "mixed"].index(regime)
+    case = make_case(61 + index, KVFormat.NVFP4, 16, 2, 5)
+    rng = np.random.default_rng(index)
     cache = np.asarray(case["kv_cache"]).copy()
     flat = cache.reshape(cache.shape[0], cache.shape[1], -1)
     low, high = np.arange(0, 8, dtype=np.uint8), np.arange(0x70, 0x7F, dtype=np.uint8)  # e4m3 0x7e = 448
     codes = {"subnormal": low, "large": high, "mixed": np.concatenate([low, high])}[regime]
     n_sf = 128 * D // 16
     flat[:, :, -n_sf:] = rng.choice(codes, size=flat[:, :, -n_sf:].shape)
+    case["kv_cache"] = jnp.asarray(cache)
+    check_case(case)
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_decode_nan_past_sequence(fmt):
+    """The last page of each request holds non-finite codes past seq_len: bf16 NaN, e4m3 0x7f, and for NVFP4 block
+    scales 0x7f (NaN) of K and V. Those keys are never attended: the kernel must not read their K / V bytes into a
+    product that meets P = 0 (0 x NaN), and NVFP4's scale bytes, loaded for the whole chunk, must not reach a value."""
+    case = make_case(83 + int(fmt), fmt, 16, 2, 7)
+    cache = np.asarray(case["kv_cache"]).copy()
+    table, seq = np.asarray(case["block_table"]), np.asarray(case["seq_lens"])
+    for b, n in enumerate(seq):
+        if n % 128 == 0:
+            continue
+        page, first = table[b, (n - 1) // 128], n % 128
+        if fmt == KVFormat.BF16:
+            cache[page, :, first:, :] = np.nan
+        elif fmt == KVFormat.FP8:
+            cache.view(np.uint8)[page, :, first:, :] = 0x7F
+        else:  # slot bytes: data [128 x D/2], then scales, K linear (t * D/16 + c), V in 4-token quads
+            slot = cache.reshape(cache.shape[0], cache.shape[1], -1)[page]
+            groups, data = D // 16, 128 * D // 2
+            for t in range(first, 128):
+                for c in range(groups):
+                    slot[0::2, data + t * groups + c] = 0x7F
+                    slot[1::2, data + (t // 4) * 4 * groups + 4 * c + t % 4] = 0x7F
     case["kv_cache"] = jnp.asarray(cache)
     check_case(case)
 

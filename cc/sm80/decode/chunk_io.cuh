@@ -3,7 +3,9 @@
 // decode kernel's register path) or into the swizzled bf16 tile that the prefill kernel reads with ldmatrix
 // (dequant). Scales: FP8 values are the raw e4m3 numbers (the per-layer k_scale / v_scale are folded into the
 // softmax scale and the output); NVFP4 values are e2m1 x e4m3 block scale, exact in bf16 (the global scales are
-// folded likewise).
+// folded likewise; the register path delivers them times kRegisterValueFactor = 2^-7 in f16, folded likewise).
+// The loaders take key0, the warp's first key of the chunk, as a multiple of 16 (every caller: 16 x a warp index;
+// the swizzle terms need a multiple of 8, NVFP4's scale window of 4).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -55,7 +57,8 @@ __device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
 #endif
 }
 
-// Eight e2m1 values (4 bytes, low nibble first) -> four f16x2 in order, each value times 2^-6. The e2m1 code s.ee.m
+// Eight e2m1 values (4 bytes, low nibble first) -> four f16x2 in order, each value times 2^-6 (the sm90 prefill's
+// NVFP4 converter, convert_tiles.cuh; the decode takes e2m1x8_to_f16x8_split_pairs below). The e2m1 code s.ee.m
 // placed as the e4m3 code s.0ee.m00 (exponent bias 7 instead of 1) is the value times 2^-6, normal and subnormal
 // codes alike; four byte-wise bit operations place all eight, two byte permutes interleave them, the hardware
 // converts the e4m3 pairs.

@@ -229,7 +229,8 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
                             pack_operand_x2<kOp>(s[1][0], s[1][1]), pack_operand_x2<kOp>(s[1][2], s[1][3])};
     if constexpr (kRegisterPath) {
       // V rows key0 + lane / 4 (keys 0-7 of the k-step) and + 8 as 8x8 tiles (keys x the lane's dims), transposed in
-      // registers into B fragments; n-tile t holds dims 32 (l % 4) + 2 t, +1 of lane l (see the epilogue)
+      // registers into B fragments; n-tile t holds the dims register_dim<kRegisterDims>(l, t, 0 / 1) of lane l
+      // (config.h; see the epilogue)
       uint32_t v_regs[2][16];
       ChunkIO<F>::row_f16(stage, ref, 1, key0 + r0, lane & 3, v_regs[0]);
       ChunkIO<F>::row_f16(stage, ref, 1, key0 + 8 + r0, lane & 3, v_regs[1]);
