@@ -76,16 +76,16 @@ def test_wgmma_prefill_not_serialized(compiled):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_wgmma_prefill_pingpong_build(fmt, tmp_path):
     """JAX_MSA_SM90_PREFILL_PINGPONG=1 (CMake option, an experiment, off: within 2% of the default on the H200 before
-    the consumers were pipelined across items; not run on a GPU since):
+    the consumers were pipelined across items; the turns split around S and O since; not run on a GPU since):
     warpgroup 1 hands warpgroup 0 the first turn, then each consumer warpgroup syncs on its turn's named barrier and
-    arrives on the other's, all counted over the two consumer warpgroups (256 threads; ids 8 and 9, past CUTLASS's
-    reserved ones), without spills or serialized wgmmas, in both instantiations (natural and fragment-order
-    partials)."""
+    arrives on the other's twice an iteration (around its S issue, around its O issue), all counted over the two
+    consumer warpgroups (256 threads; ids 8 and 9, past CUTLASS's reserved ones), without spills or serialized
+    wgmmas, in both instantiations (natural and fragment-order partials)."""
     tools = sass_tools.tools()
     sass, log = sass_tools.compile_unit(tools, f"sm90/prefill/prefill_{fmt}.cu", "sm_90a", tmp_path,
                                         defines=("JAX_MSA_SM90_KERNELS=1", "JAX_MSA_SM90_PREFILL_PINGPONG=1"))
     assert len(re.findall(r"BAR\.ARV 0x8, 0x100", sass)) == 2, "first hand-over (one a kernel)"
-    assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x100", sass)) == 2, "turn waits (one a kernel)"
-    assert len(re.findall(r"BAR\.ARV R\d+, 0x100", sass)) == 2, "hand-overs (one a kernel)"
+    assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x100", sass)) == 4, "turn waits (S and O, two a kernel)"
+    assert len(re.findall(r"BAR\.ARV R\d+, 0x100", sass)) == 4, "hand-overs (S and O, two a kernel)"
     assert "C7520" not in log and "serialized" not in log, log
     assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"

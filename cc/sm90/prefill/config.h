@@ -61,11 +61,11 @@ constexpr int kConverterWarps = 3;  // FP8 / NVFP4: warps 1-3 of the producer wa
 
 // Consumer ping-pong, a build-time experiment (CMake JAX_MSA_SM90_PREFILL_PINGPONG=ON; off by default; on the H200,
 // before the consumers' pipeline across items, it passed the small prefill tests and measured within 2% of the
-// default; not measured since): consumer warpgroup i waits on named barrier kConsumerTurn + i (ids past CUTLASS's
-// reserved ones) before it issues an iteration's next S and, once it has issued this item's O (the partial stores and
-// the V wait in between), arrives on the other's, so one warpgroup's softmax runs while the other's MMAs occupy the
-// tensor cores. (The turn also serializes the two warpgroups' partial stores: split it around S and O before
-// measuring it again.)
+// default): consumer warpgroup i waits on named barrier kConsumerTurn + i (ids past CUTLASS's reserved ones) before
+// it issues an iteration's next S, and again before this item's O, and arrives on the other's after each, so the
+// tensor cores run S0 S1 O0 O1 ... and one warpgroup's softmax runs while the other's MMAs occupy them. Since the
+// twenty-first session the turns are split around S and around O (the partial stores and the V wait outside them);
+// this version compiles and passes its SASS test but has not run on a GPU.
 #ifndef JAX_MSA_SM90_PREFILL_PINGPONG
 #define JAX_MSA_SM90_PREFILL_PINGPONG 0
 #endif

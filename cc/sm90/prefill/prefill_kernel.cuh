@@ -491,9 +491,11 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   Tensor tOrP0 = make_tensor<Element>(PLayout{});
   Tensor tOrP1 = make_tensor<Element>(PLayout{});
 
-  // Ping-pong (kConsumerPingPong): warpgroup 1 hands warpgroup 0 the first turn; a turn spans an iteration from the
-  // next S's issue to this item's O's (the partial stores and the V wait included). Both warpgroups walk the same
-  // items, so the turns pair up; warpgroup 1 skips its last hand-over, which nobody would wait for.
+  // Ping-pong (kConsumerPingPong): the warpgroups take turns issuing, two turns an iteration each: S(j + 1), then
+  // O(j), so the tensor cores run S0 S1 O0 O1 ... and one warpgroup's softmax overlaps the other's MMAs; the partial
+  // stores and the V wait lie between a warpgroup's two turns, outside them. Warpgroup 1 hands warpgroup 0 the first
+  // turn; both walk the same items, so the turns pair up; warpgroup 1 skips its last hand-over, which nobody would
+  // wait for.
   if constexpr (kConsumerPingPong)
     if (wg == 1) cutlass::arch::NamedBarrier::arrive(kConsumerTurnThreads, kConsumerTurn + 0);
   auto release = [&](uint64_t* barrier) {
@@ -520,8 +522,10 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
     if constexpr (kConsumerPingPong) cutlass::arch::NamedBarrier::sync(kConsumerTurnThreads, kConsumerTurn + wg);
     // S of item j + 1 (after the last item: a harmless product of a stage nobody refills, never read)
     issue_scores(s.stage[st1], wg, mma_s, thr_s, tSrS0, tSrS1);
+    if constexpr (kConsumerPingPong) cutlass::arch::NamedBarrier::arrive(kConsumerTurnThreads, kConsumerTurn + (1 - wg));
     if (j > 0) store_partials<kFragmentOrder>(p, prev, lane, v_scale, tOrO, m_prev, l_prev);
     ClusterBarrier::wait(&s.v_full[st], (j / kStages) & 1);
+    if constexpr (kConsumerPingPong) cutlass::arch::NamedBarrier::sync(kConsumerTurnThreads, kConsumerTurn + wg);
     issue_values(s.stage[st].v, mma_o, thr_o, tOrP0, tOrP1, tOrO);
     if constexpr (kConsumerPingPong)
       if (wg == 0 || more) cutlass::arch::NamedBarrier::arrive(kConsumerTurnThreads, kConsumerTurn + (1 - wg));
