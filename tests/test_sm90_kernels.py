@@ -79,13 +79,26 @@ def test_wgmma_prefill_pingpong_build(fmt, tmp_path):
     the consumers were pipelined across items; the turns split around S and O since; not run on a GPU since):
     warpgroup 1 hands warpgroup 0 the first turn, then each consumer warpgroup syncs on its turn's named barrier and
     arrives on the other's twice an iteration (around its S issue, around its O issue), all counted over the two
-    consumer warpgroups (256 threads; ids 8 and 9, past CUTLASS's reserved ones), without spills or serialized
-    wgmmas, in both instantiations (natural and fragment-order partials)."""
+    consumer warpgroups (256 threads; ids 8 and 9, past CUTLASS's reserved ones), the S and O wgmmas inside their turns
+    (checked in the SASS order), without spills or serialized wgmmas, in both instantiations (natural and
+    fragment-order partials). A Python model of the protocol (every interleaving, n = 1..6 items, with the producer's
+    stage barriers) found no deadlock and 256 arrivals in every barrier generation."""
     tools = sass_tools.tools()
     sass, log = sass_tools.compile_unit(tools, f"sm90/prefill/prefill_{fmt}.cu", "sm_90a", tmp_path,
                                         defines=("JAX_MSA_SM90_KERNELS=1", "JAX_MSA_SM90_PREFILL_PINGPONG=1"))
     assert len(re.findall(r"BAR\.ARV 0x8, 0x100", sass)) == 2, "first hand-over (one a kernel)"
     assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x100", sass)) == 4, "turn waits (S and O, two a kernel)"
     assert len(re.findall(r"BAR\.ARV R\d+, 0x100", sass)) == 4, "hand-overs (S and O, two a kernel)"
+    # Where the turns sit, per kernel: the first hand-over, item 0's S (16 HGMMA), then in the loop a turn around the
+    # next S (16) and a turn around this item's O (8); no wgmma outside a turn in the loop
+    kernels = re.split(r"\n\s*\.text\.", sass)[1:]
+    kernels = [k for k in kernels if "HGMMA" in k]
+    assert len(kernels) == 2, len(kernels)
+    for k in kernels:
+        order = "".join("I" if re.search(r"BAR\.ARV 0x8, 0x100", line) else
+                        "S" if re.search(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x100", line) else
+                        "A" if re.search(r"BAR\.ARV R\d+, 0x100", line) else
+                        "H" if "HGMMA" in line else "" for line in k.splitlines())
+        assert re.fullmatch(r"IH{16}SH{16}ASH{8}A", order), order
     assert "C7520" not in log and "serialized" not in log, log
     assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"
