@@ -162,7 +162,8 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   // The ldmatrix path's addresses in a stage: K as x4 (keys key0 + 8 (l / 16) + l % 8, unit 2 ks + (l / 8) % 2) and V
   // as x4.trans (keys key0 + 8 ((l / 8) % 2) + l % 8, unit 2 m + l / 16 for dims 16 m ..). Both rows have key % 8 =
   // l % 8, so the swizzled unit (2 m + h) ^ (l % 8) of step m + 4 is step m's plus 8 units (128 B): 4 lane offsets
-  // each, the rest immediates.
+  // each, the rest immediates. (They equal swizzled_offset(k_key / v_key, unit), written with l % 8, which ptxas
+  // cannot derive from the key.)
   int k_ldsm[4], v_ldsm[4];
   if constexpr (!kRegisterPath) {
     const int k_key = key0 + ((lane >> 4) << 3) + (lane & 7), v_key = key0 + (((lane >> 3) & 1) << 3) + (lane & 7);
