@@ -145,6 +145,13 @@ def check_plan(plan, cfg: AttentionConfig) -> None:
         if got != shape:
             raise ValueError(f"plan.{field} must be {list(shape)} for these inputs; got {list(got)} "
                              f"(was the plan built for other shapes?)")
+    work = tuple(plan.work.shape)
+    if len(work) != 2 or work[1] != 4:
+        raise ValueError(f"plan.work must be [W, 4] (head, row, edge_begin, edge_count); got {list(work)}")
+    for field in (*want, "work"):
+        dtype = getattr(plan, field).dtype
+        if dtype != jnp.int32:
+            raise TypeError(f"plan.{field} must be int32; got {dtype}")
     if plan.max_blocks != cfg.max_blocks:
         raise ValueError(f"plan was built with max_blocks={plan.max_blocks}; block_table has {cfg.max_blocks}")
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jax_msa import _ffi, _validation, reference
 from jax_msa import kv_cache as kvc
-from jax_msa.plan import PrefillPlan, build_prefill_plan, default_queries_per_tile
+from jax_msa.plan import PrefillPlan, build_prefill_plan, clamp_plan_entries, default_queries_per_tile
 
 _IMPLS = ("auto", "kernel", "reference")
 
@@ -135,8 +135,9 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
     if plan is None:
         plan = build_prefill_plan(topk, cu_seqlens_q, seq_lens, max_blocks=cfg.max_blocks,
                                   queries_per_tile=default_queries_per_tile(cfg.num_q_heads, cfg.num_kv_heads))
-    else:
+    else:  # a plan from elsewhere: its entries are clamped into range, so that no kernel indexes out of bounds
         _validation.check_plan(plan, cfg)
+        plan = clamp_plan_entries(plan)
 
     def kernel(q, kv_cache, topk, cu, sl, bt, scales, plan, *, partial_dtype):
         return _ffi.prefill_call(q, kv_cache, scales, cu, sl, bt, plan, softmax_scale=softmax_scale,

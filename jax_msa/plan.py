@@ -244,3 +244,37 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
                        query_edge_count=query_edge_count, work=work,
                        num_work=jnp.reshape(num_work, (1,)).astype(jnp.int32),
                        queries_per_tile=qpt, max_blocks=max_blocks)
+
+
+def clamp_plan_entries(plan: PrefillPlan) -> PrefillPlan:
+    """The plan with every entry a kernel indexes with forced into range (jit-able, no host sync).
+
+    For a plan that did not come from ``build_prefill_plan`` (``sparse_attention(..., plan=...)``): the kernels
+    index Q, the block table, the KV heads and the partial grid with its entries and check none of them, so an entry
+    out of range would read or write out of bounds. Clamped: ``num_work`` to [0, W]; in the first ``num_work``
+    tiles the head to [0, Hkv), the row to [0, R), ``edge_begin`` to [0, E) and ``edge_count`` to [1, E -
+    edge_begin]; every ``edge_query`` to [0, T) and ``edge_rank`` to [0, K); ``query_edge_count`` to [0, K]. A plan
+    from ``build_prefill_plan`` gives the same results after it (only the -1 of its unused edges past
+    ``row_ptr[g, R]`` change, and no tile reaches those); a corrupt plan gives garbage results, within bounds.
+    ``row_ptr`` is not read by any kernel and stays as it is."""
+    hkv, rows_plus_1 = plan.row_ptr.shape
+    rows = rows_plus_1 - 1
+    total_q = plan.total_q
+    edges = plan.edge_query.shape[1]
+    capacity = plan.work_capacity
+    num_work = jnp.clip(plan.num_work, 0, capacity)
+    if min(hkv, rows, total_q, edges) <= 0:  # nothing a tile could index: no tile runs
+        return dataclasses.replace(plan, num_work=jnp.zeros_like(num_work))
+    topk = edges // total_q
+    work = plan.work
+    head = jnp.clip(work[:, 0], 0, hkv - 1)
+    row = jnp.clip(work[:, 1], 0, rows - 1)
+    begin = jnp.clip(work[:, 2], 0, edges - 1)
+    count = jnp.clip(work[:, 3], 1, edges - begin)
+    live = (jnp.arange(capacity, dtype=jnp.int32) < num_work[0])[:, None]
+    work = jnp.where(live, jnp.stack([head, row, begin, count], axis=-1), work)
+    return dataclasses.replace(
+        plan, work=work, num_work=num_work,
+        edge_query=jnp.clip(plan.edge_query, 0, total_q - 1),
+        edge_rank=jnp.clip(plan.edge_rank, 0, topk - 1),
+        query_edge_count=jnp.clip(plan.query_edge_count, 0, topk))

@@ -21,6 +21,7 @@ import pytest
 import jax_msa
 from jax_msa import reference
 from jax_msa.plan import PrefillPlan, build_prefill_plan, default_queries_per_tile, work_capacity
+from problems import corrupt_plan
 
 PAGE = 128
 FIELDS = ("row_ptr", "edge_query", "edge_rank", "query_edge_count", "work", "num_work")
@@ -495,3 +496,76 @@ def test_row_pointers_match_searchsorted(case):
     got = np.asarray(_row_pointers(jnp.asarray(sorted_key), rows))
     want = np.stack([np.searchsorted(sk, np.arange(rows + 1), side="left") for sk in sorted_key])
     np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plans from elsewhere: clamped into range before any kernel indexes with them
+# ---------------------------------------------------------------------------------------------------------
+
+def _small_prefill_problem(seed=11):
+    hq, hkv, d, k, max_blocks = 4, 2, 64, 4, 3
+    q_lens, seq_lens = [130, 1, 40], [300, 129, 40]
+    rng = np.random.default_rng(seed)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seq_lens = np.asarray(seq_lens, np.int32)
+    total_q, batch = int(cu[-1]), len(q_lens)
+    topk = random_topk(rng, hkv, k, cu, seq_lens, max_blocks)
+    num_pages = batch * max_blocks
+    block_table = rng.permutation(num_pages).reshape(batch, max_blocks).astype(np.int32)
+    cache = jnp.asarray(rng.standard_normal((num_pages, hkv, PAGE, 2 * d)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((total_q, hq, d)), jnp.bfloat16)
+    args = dict(cu_seqlens_q=jnp.asarray(cu), seq_lens=jnp.asarray(seq_lens), block_table=jnp.asarray(block_table))
+    return q, cache, jnp.asarray(topk), args, max_blocks
+
+
+def test_clamp_plan_entries_keeps_built_plans():
+    from jax_msa.plan import clamp_plan_entries
+
+    _, _, topk, args, max_blocks = _small_prefill_problem()
+    for order in ("row", "size", "token"):
+        plan = jit_build(topk, args["cu_seqlens_q"], args["seq_lens"], max_blocks=max_blocks, queries_per_tile=3,
+                         work_order=order)
+        got, want = plan_numpy(jax.jit(clamp_plan_entries)(plan)), plan_numpy(plan)
+        for f in ("row_ptr", "query_edge_count", "work", "num_work"):
+            np.testing.assert_array_equal(got[f], want[f], err_msg=f"{order}: {f}")
+        for f in ("edge_query", "edge_rank"):  # only the unused edges past row_ptr[g, R] change (-1 -> 0)
+            used = np.arange(want[f].shape[1])[None, :] < want["row_ptr"][:, -1:]
+            assert (want[f][~used] == -1).all() and (~used).any(), f
+            np.testing.assert_array_equal(got[f][used], want[f][used], err_msg=f"{order}: {f}")
+            np.testing.assert_array_equal(got[f][~used], 0, err_msg=f"{order}: {f}")
+
+
+def test_clamp_plan_entries_bounds_a_corrupt_plan():
+    from jax_msa.plan import clamp_plan_entries
+
+    _, _, topk, args, max_blocks = _small_prefill_problem()
+    plan = jit_build(topk, args["cu_seqlens_q"], args["seq_lens"], max_blocks=max_blocks, queries_per_tile=3)
+    bad = corrupt_plan(plan, np.random.default_rng(3))
+    got = plan_numpy(jax.jit(clamp_plan_entries)(bad))
+    hkv, rows = plan.row_ptr.shape[0], plan.row_ptr.shape[1] - 1
+    total_q, edges, k = plan.total_q, plan.edge_query.shape[1], plan.topk
+    assert got["num_work"][0] == plan.work_capacity
+    head, row, begin, count = got["work"].T
+    for name, x, lo, hi in (("head", head, 0, hkv - 1), ("row", row, 0, rows - 1), ("begin", begin, 0, edges - 1),
+                            ("edge_query", got["edge_query"], 0, total_q - 1),
+                            ("edge_rank", got["edge_rank"], 0, k - 1), ("query_edge_count", got["query_edge_count"], 0, k)):
+        assert x.min() >= lo and x.max() <= hi, name
+    assert count.min() >= 1 and (begin + count).max() <= edges
+    np.testing.assert_array_equal(got["row_ptr"], np.asarray(bad.row_ptr))
+
+
+def test_sparse_attention_with_a_corrupt_plan_stays_in_bounds():
+    """A corrupt plan passed to sparse_attention runs (CPU handler) without reading or writing out of bounds:
+    without the clamp its entries index far outside Q, the block table and the partials, and the process dies.
+    The results are garbage; only finite-or-not is not asserted."""
+    q, cache, topk, args, max_blocks = _small_prefill_problem()
+    plan = jit_build(topk, args["cu_seqlens_q"], args["seq_lens"], max_blocks=max_blocks, queries_per_tile=3)
+    run = jax.jit(lambda q, cache, topk, plan, **a: jax_msa.sparse_attention(
+        q, cache, topk, return_lse=True, plan=plan, impl="kernel", **a))
+    for seed in range(3):
+        out, lse = run(q, cache, topk, corrupt_plan(plan, np.random.default_rng(seed)), **args)
+        assert out.shape == q.shape and lse.shape == q.shape[:2]
+        jax.block_until_ready((out, lse))
+    out, _ = run(q, cache, topk, plan, **args)  # the same compiled function on the real plan is still right
+    ref = reference.sparse_attention(q, cache, topk, **args)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)

@@ -5,6 +5,8 @@ Every call goes through jax.eval_shape, so the errors are shown to come from tra
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +122,40 @@ def test_sparse_attention_argument_errors(case):
     overrides, error, message = ATTENTION_ERRORS[case]
     with pytest.raises(error, match=message):
         _trace_attention(**overrides)
+
+
+def _plan_for_args():
+    a = _attention_args()
+    return jax_msa.build_prefill_plan(a["topk"], a["cu_seqlens_q"], a["seq_lens"], max_blocks=MB)
+
+
+PLAN_ERRORS = {
+    "not_a_plan": (lambda plan: dict(plan.__dict__), TypeError, r"plan must be a jax_msa.PrefillPlan; got dict"),
+    "edge_query_shape": (lambda plan: dataclasses.replace(plan, edge_query=plan.edge_query[:, 1:]), ValueError,
+                         r"plan.edge_query must be \[2, 24\] for these inputs; got \[2, 23\]"),
+    "work_shape": (lambda plan: dataclasses.replace(plan, work=plan.work[:, :3]), ValueError,
+                   r"plan.work must be \[W, 4\] \(head, row, edge_begin, edge_count\); got \[\d+, 3\]"),
+    "work_dtype": (lambda plan: dataclasses.replace(plan, work=plan.work.astype(jnp.uint32)), TypeError,
+                   r"plan.work must be int32; got uint32"),
+    "edge_rank_dtype": (lambda plan: dataclasses.replace(plan, edge_rank=plan.edge_rank.astype(jnp.int16)),
+                        TypeError, r"plan.edge_rank must be int32; got int16"),
+    "max_blocks": (lambda plan: dataclasses.replace(plan, max_blocks=MB + 1), ValueError,
+                   r"plan was built with max_blocks=4; block_table has 3"),
+}
+
+
+@pytest.mark.parametrize("case", PLAN_ERRORS)
+def test_sparse_attention_plan_errors(case):
+    corrupt, error, message = PLAN_ERRORS[case]
+    plan = corrupt(_plan_for_args())
+    a = _attention_args()
+
+    def fn(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table):
+        return jax_msa.sparse_attention(q, kv_cache, topk, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+                                        block_table=block_table, plan=plan)
+
+    with pytest.raises(error, match=message):
+        jax.eval_shape(fn, a["q"], a["kv_cache"], a["topk"], a["cu_seqlens_q"], a["seq_lens"], a["block_table"])
 
 
 @pytest.mark.parametrize("impl", ["fast", "cuda", ""])
