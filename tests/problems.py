@@ -244,9 +244,10 @@ def brute_force_decode(q, k, v, topk, decode_query_len, seq_lens, block_table, s
     return _brute_force(q, k, v, topk, rows, seq_lens, block_table, scale, with_abs_weighted)
 
 
-def corrupt_plan(plan, rng):
+def corrupt_plan(plan, rng, num_work=None):
     """`plan` (a jax_msa.PrefillPlan) with its index arrays overwritten, shapes kept: half the entries int32 values
-    far out of every range, half small ones (-3..7, some in range); num_work beyond the capacity."""
+    far out of every range, half small ones (-3..7, some in range); num_work as given (default: beyond the
+    capacity)."""
     def garbage(x):
         x = np.asarray(x)
         wild = rng.integers(-2**31, 2**31 - 1, x.shape, dtype=np.int64)
@@ -255,4 +256,5 @@ def corrupt_plan(plan, rng):
 
     return dataclasses.replace(plan, edge_query=garbage(plan.edge_query), edge_rank=garbage(plan.edge_rank),
                                query_edge_count=garbage(plan.query_edge_count), work=garbage(plan.work),
-                               num_work=jnp.asarray([plan.work_capacity + 5], jnp.int32))
+                               num_work=jnp.asarray([plan.work_capacity + 5 if num_work is None else num_work],
+                                                    jnp.int32))

@@ -199,12 +199,13 @@ def test_prefill_stage_reuse_for_sanitizer(fmt):
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
-def test_prefill_corrupt_plan_for_sanitizer(fmt):
+@pytest.mark.parametrize("fmt,group", [(f, 16) for f in KVFormat] + [(KVFormat.BF16, 8)],
+                         ids=lambda x: x.name if isinstance(x, KVFormat) else f"G{x}")
+def test_prefill_corrupt_plan_for_sanitizer(fmt, group):
     """A plan passed in with entries out of every range (jax_msa.plan.clamp_plan_entries bounds them): the kernels
     and the combine stay in bounds (memcheck: `SANITIZE_SELECT=corrupt bash .ci/gpu_run.sh sanitize`) and the
     call completes; its results are garbage and not checked. The problem's own plan afterwards still checks out."""
-    p = make_problem(31, q_lens=[5, 130], seq_lens=[300, 130], num_q_heads=16, num_kv_heads=1, topk=8,
+    p = make_problem(31, q_lens=[5, 130], seq_lens=[300, 130], num_q_heads=group, num_kv_heads=1, topk=8,
                      pad_tokens=2, cache_from_kv=cache_maker(fmt))
     scales = {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
     args = dict(cu_seqlens_q=p.cu_seqlens_q, seq_lens=p.seq_lens, block_table=p.block_table, **scales)
@@ -212,9 +213,9 @@ def test_prefill_corrupt_plan_for_sanitizer(fmt):
                                       queries_per_tile=8)
     kernel = jax.jit(lambda q, c, t, plan, a: jax_msa.sparse_attention(q, c, t, impl="kernel", return_lse=True,
                                                                          plan=plan, **a))
-    for seed in range(2):
-        jax.block_until_ready(kernel(p.q, p.kv_cache, p.topk, corrupt_plan(plan, np.random.default_rng(seed)),
-                                     args))
+    for seed, num_work in ((0, None), (1, 3)):  # every tile corrupt; three corrupt tiles
+        jax.block_until_ready(kernel(p.q, p.kv_cache, p.topk,
+                                     corrupt_plan(plan, np.random.default_rng(seed), num_work=num_work), args))
     check(p, fmt)
 
 

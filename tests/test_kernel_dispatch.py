@@ -59,5 +59,5 @@ def test_build_options_are_reported():
     """The CUDA module says which build switches it was compiled with (gpu_run.sh's `info` prints them), so modules
     carried to the GPU machine can be told apart: the default build and the ping-pong experiment."""
     options = _ffi.cuda_build_options()
-    assert set(options) == {"sm90_prefill_pingpong"}, options
-    assert isinstance(options["sm90_prefill_pingpong"], bool)
+    assert set(options) == {"sm90_prefill_pingpong", "sm90_prefill_bulk_store"}, options
+    assert all(isinstance(v, bool) for v in options.values()), options

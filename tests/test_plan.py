@@ -535,22 +535,27 @@ def test_clamp_plan_entries_keeps_built_plans():
             np.testing.assert_array_equal(got[f][~used], 0, err_msg=f"{order}: {f}")
 
 
-def test_clamp_plan_entries_bounds_a_corrupt_plan():
+@pytest.mark.parametrize("num_work", [None, -7, 0, 5, "capacity"])
+def test_clamp_plan_entries_bounds_a_corrupt_plan(num_work):
+    """Every entry a kernel reads lands in range; tiles past num_work (which no kernel reads) are left as they were."""
     from jax_msa.plan import clamp_plan_entries
 
     _, _, topk, args, max_blocks = _small_prefill_problem()
     plan = jit_build(topk, args["cu_seqlens_q"], args["seq_lens"], max_blocks=max_blocks, queries_per_tile=3)
-    bad = corrupt_plan(plan, np.random.default_rng(3))
+    cap = plan.work_capacity
+    bad = corrupt_plan(plan, np.random.default_rng(3), num_work=cap if num_work == "capacity" else num_work)
     got = plan_numpy(jax.jit(clamp_plan_entries)(bad))
     hkv, rows = plan.row_ptr.shape[0], plan.row_ptr.shape[1] - 1
     total_q, edges, k = plan.total_q, plan.edge_query.shape[1], plan.topk
-    assert got["num_work"][0] == plan.work_capacity
-    head, row, begin, count = got["work"].T
+    live = {None: cap, -7: 0, 0: 0, 5: 5, "capacity": cap}[num_work]
+    assert got["num_work"][0] == live
+    np.testing.assert_array_equal(got["work"][live:], np.asarray(bad.work)[live:])
+    head, row, begin, count = got["work"][:live].T
     for name, x, lo, hi in (("head", head, 0, hkv - 1), ("row", row, 0, rows - 1), ("begin", begin, 0, edges - 1),
                             ("edge_query", got["edge_query"], 0, total_q - 1),
                             ("edge_rank", got["edge_rank"], 0, k - 1), ("query_edge_count", got["query_edge_count"], 0, k)):
-        assert x.min() >= lo and x.max() <= hi, name
-    assert count.min() >= 1 and (begin + count).max() <= edges
+        assert x.size == 0 or (x.min() >= lo and x.max() <= hi), name
+    assert live == 0 or (count.min() >= 1 and (begin + count).max() <= edges)
     np.testing.assert_array_equal(got["row_ptr"], np.asarray(bad.row_ptr))
 
 

@@ -102,3 +102,45 @@ def test_wgmma_prefill_pingpong_build(fmt, tmp_path):
         assert re.fullmatch(r"IH{16}SH{16}ASH{8}A", order), order
     assert "C7520" not in log and "serialized" not in log, log
     assert not re.search(r"\b(STL|LDL)\b", sass), "local-memory spills"
+
+
+def test_wgmma_prefill_bulk_store_build(tmp_path):
+    """JAX_MSA_SM90_PREFILL_BULK_STORE=1 (CMake option, an experiment, off; compiled, not yet run on a GPU): the bf16
+    kernel with fragment-order partials stages each consumer warp's 16 partial rows in shared memory (four 16-byte
+    STS a row, in place of the STG.E.128s) and copies each token's rows with one bulk copy (UBLKCP.G.S, shared ->
+    global) after the async-proxy fence; the copies are waited for (DEPBAR on SB0) before the buffer is written again
+    and before the CTA exits. The natural-order instantiation keeps its global stores. No spills, no serialized wgmma,
+    the same register split."""
+    tools = sass_tools.tools()
+    sass, log = sass_tools.compile_unit(tools, "sm90/prefill/prefill_bf16.cu", "sm_90a", tmp_path,
+                                        defines=("JAX_MSA_SM90_KERNELS=1", "JAX_MSA_SM90_PREFILL_BULK_STORE=1"))
+    kernels = {name: body for name, body in re.findall(r"\n\s*\.text\.(\S*sparse_prefill_wgmma_kernel\S*):(.*?)(?=\n\s*\.text\.|\Z)",
+                                                       sass, re.S)}
+    assert len(kernels) == 2, list(kernels)
+    fragment = next(b for k, b in kernels.items() if k.endswith("ELb1EEEvNS1_14TmaPrefillArgsE"))
+    natural = next(b for k, b in kernels.items() if k.endswith("ELb0EEEvNS1_14TmaPrefillArgsE"))
+    # two call sites of the partial stores (in the loop, after it), one or two tokens a warp: 4 bulk copies
+    assert len(re.findall(r"\bUBLKCP\.G\.S\b", fragment)) == 4, "bulk partial copies"
+    assert not re.search(r"\bSTG\.E\.128\b", fragment), "16-byte global partial stores left"
+    assert len(re.findall(r"\bSTS\.128\b", fragment)) >= 16, "partial rows staged in shared memory"
+    assert not re.search(r"UBLKCP", natural) and not re.search(r"\bSTG\.E\.128\b", natural)
+    lines = fragment.splitlines()
+    copies = [i for i, line in enumerate(lines) if "UBLKCP.G.S" in line]
+    fences = [i for i, line in enumerate(lines) if "FENCE.VIEW.ASYNC.S" in line]
+    for i in copies:  # the writers' async-proxy fence precedes each copy, with no partial store in between
+        f = max(j for j in fences if j < i)
+        assert not any("STS.128" in line for line in lines[f:i]), "a staged store after the fence"
+    # each staging store (a computed value; the producer's zero fills store RZ) follows a wait for the previous
+    # copies' reads, with no copy issued in between
+    for i, line in enumerate(lines):
+        if re.search(r"\bSTS\.128 \[[^]]*\], R\d+", line):
+            before = [j for j in range(i) if "UBLKCP" in lines[j] or re.search(r"\bDEPBAR\.LE SB0, 0x0\b", lines[j])]
+            assert before and "DEPBAR" in lines[before[-1]], f"staging store without a wait before it: {line}"
+    waits = [i for i, line in enumerate(lines) if re.search(r"\bDEPBAR\.LE SB0, 0x0\b", line)]
+    assert len(waits) >= 3, "bulk waits: before each of the two staging sites and before the exit"
+    last_exit = max(i for i, line in enumerate(lines) if re.search(r"\bEXIT\b", line) and i > copies[-1])
+    assert any(copies[-1] < w < last_exit for w in waits), "the CTA exits before its copies are done"
+    assert "C7520" not in log and "serialized" not in log, log
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(spills) == 2 and all(s == ("0", "0") for s in spills), log
+    assert re.findall(r"Used (\d+) registers", log) == ["168", "168"], log

@@ -24,6 +24,9 @@
 #ifndef JAX_MSA_SM90_PREFILL_PINGPONG  // (CMake defines it as 1 when the build switch is on)
 #define JAX_MSA_SM90_PREFILL_PINGPONG 0
 #endif
+#ifndef JAX_MSA_SM90_PREFILL_BULK_STORE  // (likewise)
+#define JAX_MSA_SM90_PREFILL_BULK_STORE 0
+#endif
 #ifndef JAX_MSA_CUDA_ARCHS_CSV
 #error "JAX_MSA_CUDA_ARCHS_CSV (the CMAKE_CUDA_ARCHITECTURES list, comma-separated) must be defined by CMake"
 #endif
@@ -98,10 +101,11 @@ NB_MODULE(_jax_msa_cuda, m) {
       []() {
         nanobind::dict d;
         d["sm90_prefill_pingpong"] = bool(JAX_MSA_SM90_PREFILL_PINGPONG);
+        d["sm90_prefill_bulk_store"] = bool(JAX_MSA_SM90_PREFILL_BULK_STORE);
         return d;
       },
-      "Build switches compiled into this module: {'sm90_prefill_pingpong': bool} (CMake "
-      "JAX_MSA_SM90_PREFILL_PINGPONG, an experiment, off by default).");
+      "Build switches compiled into this module: {'sm90_prefill_pingpong': bool, 'sm90_prefill_bulk_store': bool} "
+      "(CMake JAX_MSA_SM90_PREFILL_PINGPONG and JAX_MSA_SM90_PREFILL_BULK_STORE, experiments, off by default).");
   m.def(
       "decode_merge_launches",
       []() {

@@ -30,6 +30,8 @@
 //              tile's tokens, invalid pages) a causal mask per row (key < visible)
 //   output   : one normalized bf16 partial (and its lse) per (query, selected block) at the plan's rank slot, as the
 //              warp-MMA kernel writes them; the warp-MMA combine (sm80/prefill/combine_partials.cu) merges them.
+//              Build-time experiment (kBulkPartialStores, off; bf16): rows staged in shared memory, one bulk copy a
+//              token.
 //              FP8: the tiles hold the raw e4m3 values (exact in bf16); NVFP4: e2m1 x its e4m3 block scale (exact
 //              in bf16). k_scale is folded into the softmax scale and v_scale into the normalization.
 #pragma once
@@ -72,6 +74,17 @@ constexpr int kConverterWarps = 3;  // FP8 / NVFP4: warps 1-3 of the producer wa
 constexpr bool kConsumerPingPong = JAX_MSA_SM90_PREFILL_PINGPONG != 0;
 constexpr uint32_t kConsumerTurn = 0;                                 // + consumer warpgroup (0, 1)
 constexpr uint32_t kConsumerTurnThreads = kConsumerWarpgroups * 128;  // both consumer warpgroups
+
+// Bulk partial stores, a build-time experiment (CMake JAX_MSA_SM90_PREFILL_BULK_STORE=ON; off by default; compiled and
+// SASS-tested, not yet run on a GPU): bf16 KV and fragment-order partials only. Each consumer warp writes its 16
+// normalized partial rows (one token for G = 16, two for G = 8) into its 4 KB of shared memory and one lane copies each
+// token's G rows, consecutive slots, to the partials with one cp.async.bulk (bulk_store.cuh), instead of eight 16-byte
+// global stores a thread (the partial stores held a quarter of the consumers' samples in the v6 profile, BENCHMARKS
+// "Against the goal", lever 2). The buffers take 32 KB of the ~33 KB bf16 leaves free; FP8 / NVFP4 have no
+// room (their raw buffers).
+#ifndef JAX_MSA_SM90_PREFILL_BULK_STORE
+#define JAX_MSA_SM90_PREFILL_BULK_STORE 0
+#endif
 
 // The cache formats whose blocks the converter warps turn into bf16 tiles.
 template <KvFormat F>
@@ -166,8 +179,21 @@ struct alignas(1024) RawStorage {
                           // converted and masked)
 };
 
+// bf16 with bulk partial stores: each consumer warp's 16 partial rows (16 x 256 B, row k of the warp at k x 256 B, the
+// columns in fragment order) staged for their bulk copies.
 template <KvFormat F>
-using Storage = std::conditional_t<kConverted<F>, RawStorage<F>, SharedStorage>;
+constexpr bool kBulkPartialStores = JAX_MSA_SM90_PREFILL_BULK_STORE != 0 && F == KvFormat::kBf16;
+constexpr int kWarpPartialRows = 16;
+constexpr int kWarpPartialBytes = kWarpPartialRows * kRowBytes;  // 4 KB
+
+struct alignas(1024) BulkStoreStorage {
+  SharedStorage s;
+  alignas(128) uint8_t partial[kConsumerWarps][kWarpPartialBytes];
+};
+
+template <KvFormat F>
+using Storage = std::conditional_t<kConverted<F>, RawStorage<F>,
+                                   std::conditional_t<kBulkPartialStores<F>, BulkStoreStorage, SharedStorage>>;
 
 template <KvFormat F>
 constexpr int kSmemBytes = int(sizeof(Storage<F>)) + 1024;  // + slack to align the dynamic base to 1 KB

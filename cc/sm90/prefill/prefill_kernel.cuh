@@ -20,6 +20,7 @@
 #include "cuda/shared_memory.cuh"
 #include "sm80/common/register_pack.cuh"
 #include "sm80/common/warp_mma.cuh"
+#include "sm90/prefill/bulk_store.cuh"
 #include "sm90/prefill/config.h"
 #include "sm90/prefill/convert_tiles.cuh"
 #include "sm90/prefill/prefill.h"
@@ -39,6 +40,16 @@ __device__ __forceinline__ SharedStorage& shared_part(SharedStorage& s) { return
 template <KvFormat F>
 __device__ __forceinline__ SharedStorage& shared_part(RawStorage<F>& f) {
   return f.s;
+}
+__device__ __forceinline__ SharedStorage& shared_part(BulkStoreStorage& b) { return b.s; }
+
+// The consumer warps' partial staging buffers (kBulkPartialStores), else null.
+template <KvFormat F>
+__device__ __forceinline__ uint8_t* partial_buffers(Storage<F>& storage) {
+  if constexpr (kBulkPartialStores<F>)
+    return storage.partial[0];
+  else
+    return nullptr;
 }
 
 constexpr uint64_t kEvictNormal = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
@@ -408,10 +419,20 @@ __device__ __forceinline__ void issue_values(const uint8_t* v_tile, MmaO& mma_o,
 // no faster on the H200, fifteenth session.) Natural column order: 16 4-byte stores a row (columns
 // 8 j + c2, +1; a lane quad's store covers 16 contiguous bytes); fragment order (kFragmentOrder, the host's
 // p.partial_fragment_order; common/partial_order.h): four 16-byte stores a row, a quad's store 64 contiguous bytes.
-template <bool kFragmentOrder, class TO>
-__device__ __forceinline__ void store_partials(const PrefillParams& p, const ItemRows& it, int lane, float v_scale,
-                                               TO& tOrO, const float (&m)[2], float (&l)[2]) {
+// kBulk (kBulkPartialStores, fragment order): the same four 16-byte stores a row go to the warp's staging buffer
+// (`buffer`: row (lane / 4) + 8 r of the warp's 16 at 256 B a row), and lane 0 copies each token's G rows (the warp's
+// 16 rows are one token for G = 16, two for G = 8; lane 0's rows 0 and 8 are a token's head 0) to their G consecutive
+// slots with one bulk copy. The buffer is written again only once the previous item's copies have read it.
+template <bool kFragmentOrder, bool kBulk, class TO>
+__device__ __forceinline__ void store_partials(const PrefillParams& p, const ItemRows& it, int lane, int group,
+                                               float v_scale, TO& tOrO, const float (&m)[2], float (&l)[2],
+                                               uint8_t* buffer) {
+  static_assert(!kBulk || kFragmentOrder, "bulk partial stores stage fragment-order rows");
   const int c2 = (lane & 3) * 2;
+  if constexpr (kBulk) {
+    if (lane == 0) bulk_store::wait_read_all();  // (issued an iteration ago: normally long done)
+    __syncwarp();
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -434,7 +455,14 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Ite
       }
       return sm80::pack_bf16x2(o0, o1);
     };
-    if constexpr (kFragmentOrder) {
+    if constexpr (kBulk) {
+      // the same positions in the warp's row (lane / 4) + 8 r of the buffer
+      uint8_t* dst = buffer + ((lane >> 2) + 8 * r) * kRowBytes + 2 * partial_order::fragment_position(c2);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        cuda::store_shared_16(dst + 64 * i, make_uint4(normalized_pair(4 * i), normalized_pair(4 * i + 1),
+                                                       normalized_pair(4 * i + 2), normalized_pair(4 * i + 3)));
+    } else if constexpr (kFragmentOrder) {
       static_assert(kHeadDim == partial_order::kRowColumns && partial_order::fragment_position(2) == 8 &&
                     partial_order::fragment_position(8) == 2 && partial_order::fragment_position(32) == 32);
       // j = 4 i .. 4 i + 3 of this lane at position 32 i + 8 (lane % 4): uint4 4 i past the lane's first
@@ -449,7 +477,25 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Ite
 #pragma unroll
       for (int j = 0; j < 16; ++j) *reinterpret_cast<uint32_t*>(dst + 8 * j) = normalized_pair(j);
     }
-    if ((lane & 3) == 0) p.partial_lse[slot] = empty ? -INFINITY : (m[r] + log2f(l[r])) * sm80::kLn2;
+    if (!kBulk && (lane & 3) == 0) p.partial_lse[slot] = empty ? -INFINITY : (m[r] + log2f(l[r])) * sm80::kLn2;
+  }
+  if constexpr (kBulk) {
+    bulk_store::fence_shared_for_async();
+    __syncwarp();
+    if (lane == 0) {
+      // G = 16: rows 0-15, one token; G = 8: rows 0-7 and 8-15, two (the sm90 kernel takes G in {8, 16} only)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if ((r == 0 || group <= 8) && it.slot[r] >= 0)
+          bulk_store::copy(buffer + 8 * r * kRowBytes, static_cast<uint16_t*>(p.partial_o) + it.slot[r] * kHeadDim,
+                           uint32_t(min(group, kWarpPartialRows) * kRowBytes));
+      bulk_store::commit();
+    }
+    // the lse after the fence, which would otherwise wait for these global stores too
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (it.slot[r] >= 0 && (lane & 3) == 0)
+        p.partial_lse[it.slot[r]] = !(l[r] > 0.0f) ? -INFINITY : (m[r] + log2f(l[r])) * sm80::kLn2;
   }
 }
 
@@ -464,7 +510,7 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Ite
 // normalization.
 template <KvFormat F, bool kFragmentOrder>
 __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedStorage& s, const PlanView& plan,
-                                              ItemRange items, int wg) {
+                                              ItemRange items, int wg, uint8_t* partial_buffers) {
   using namespace cute;
   const PrefillParams& p = a.p;
   const int consumer_tid = threadIdx.x - kWarpgroupThreads;  // 0..255 over both consumer warpgroups
@@ -480,6 +526,10 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   const int head_in_group[2] = {row0 % group, (row0 + 8) % group};
   const int c2 = (lane & 3) * 2;
   const int n = items.end - items.begin;
+  constexpr bool kBulk = kBulkPartialStores<F> && kFragmentOrder;
+  uint8_t* const buffer = kBulk ? partial_buffers + (wg * 4 + warp) * kWarpPartialBytes : nullptr;
+  if constexpr (kBulk)
+    if (group != 8 && group != 16) __trap();  // the copies take a warp's rows as 1 or 2 whole tokens (prefill_supports)
 
   MmaS mma_s;
   MmaO mma_o;
@@ -523,7 +573,7 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
     // S of item j + 1 (after the last item: a harmless product of a stage nobody refills, never read)
     issue_scores(s.stage[st1], wg, mma_s, thr_s, tSrS0, tSrS1);
     if constexpr (kConsumerPingPong) cutlass::arch::NamedBarrier::arrive(kConsumerTurnThreads, kConsumerTurn + (1 - wg));
-    if (j > 0) store_partials<kFragmentOrder>(p, prev, lane, v_scale, tOrO, m_prev, l_prev);
+    if (j > 0) store_partials<kFragmentOrder, kBulk>(p, prev, lane, group, v_scale, tOrO, m_prev, l_prev, buffer);
     ClusterBarrier::wait(&s.v_full[st], (j / kStages) & 1);
     if constexpr (kConsumerPingPong) cutlass::arch::NamedBarrier::sync(kConsumerTurnThreads, kConsumerTurn + wg);
     issue_values(s.stage[st].v, mma_o, thr_o, tOrP0, tOrP1, tOrO);
@@ -552,7 +602,9 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
       l[r] = l_next[r];
     }
   }
-  store_partials<kFragmentOrder>(p, cur, lane, v_scale, tOrO, m, l);
+  store_partials<kFragmentOrder, kBulk>(p, cur, lane, group, v_scale, tOrO, m, l, buffer);
+  if constexpr (kBulk)
+    if (lane == 0) bulk_store::wait_all();  // the buffer stays until its copies are done
 }
 
 // kFragmentOrder: the column order of the bf16 partial rows (common/partial_order.h); true is the default (fragment
@@ -602,7 +654,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_wgmma_kernel(const
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-    consume_items<F, kFragmentOrder>(a, s, plan, items, wg - 1);
+    consume_items<F, kFragmentOrder>(a, s, plan, items, wg - 1, partial_buffers<F>(storage));
   }
 #else
   __trap();  // no sm_90a code in this architecture's image: fail loudly rather than leave the partials unwritten
