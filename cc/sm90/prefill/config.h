@@ -78,10 +78,10 @@ constexpr uint32_t kConsumerTurnThreads = kConsumerWarpgroups * 128;  // both co
 // Bulk partial stores, a build-time experiment (CMake JAX_MSA_SM90_PREFILL_BULK_STORE=ON; off by default; compiled and
 // SASS-tested, not yet run on a GPU): bf16 KV and fragment-order partials only. Each consumer warp writes its 16
 // normalized partial rows (one token for G = 16, two for G = 8) into its 4 KB of shared memory and one lane copies each
-// token's G rows, consecutive slots, to the partials with one cp.async.bulk (bulk_store.cuh), instead of eight 16-byte
-// global stores a thread (the partial stores held a quarter of the consumers' samples in the v6 profile, BENCHMARKS
-// "Against the goal", lever 2). The buffers take 32 KB of the ~33 KB bf16 leaves free; FP8 / NVFP4 have no
-// room (their raw buffers).
+// token's G rows, consecutive slots, to the partials with one cp.async.bulk (CuTe's SM90_BULK_COPY_S2G; the fence and
+// the final wait in bulk_store.cuh), instead of eight 16-byte global stores a thread (the partial stores held a quarter
+// of the consumers' samples in the v6 profile, BENCHMARKS "Against the goal", lever 2). The buffers take 32 KB
+// of the ~33 KB bf16 leaves free; FP8 / NVFP4 have no room (their raw buffers).
 #ifndef JAX_MSA_SM90_PREFILL_BULK_STORE
 #define JAX_MSA_SM90_PREFILL_BULK_STORE 0
 #endif

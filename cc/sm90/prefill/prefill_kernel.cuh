@@ -429,8 +429,9 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Ite
                                                uint8_t* buffer) {
   static_assert(!kBulk || kFragmentOrder, "bulk partial stores stage fragment-order rows");
   const int c2 = (lane & 3) * 2;
+  auto partial_lse = [&](int r) { return !(l[r] > 0.0f) ? -INFINITY : (m[r] + log2f(l[r])) * sm80::kLn2; };
   if constexpr (kBulk) {
-    if (lane == 0) bulk_store::wait_read_all();  // (issued an iteration ago: normally long done)
+    if (lane == 0) cute::tma_store_wait<0>();  // the copies have read the buffer (issued an iteration ago)
     __syncwarp();
   }
 #pragma unroll
@@ -477,7 +478,7 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Ite
 #pragma unroll
       for (int j = 0; j < 16; ++j) *reinterpret_cast<uint32_t*>(dst + 8 * j) = normalized_pair(j);
     }
-    if (!kBulk && (lane & 3) == 0) p.partial_lse[slot] = empty ? -INFINITY : (m[r] + log2f(l[r])) * sm80::kLn2;
+    if (!kBulk && (lane & 3) == 0) p.partial_lse[slot] = partial_lse(r);
   }
   if constexpr (kBulk) {
     bulk_store::fence_shared_for_async();
@@ -487,15 +488,15 @@ __device__ __forceinline__ void store_partials(const PrefillParams& p, const Ite
 #pragma unroll
       for (int r = 0; r < 2; ++r)
         if ((r == 0 || group <= 8) && it.slot[r] >= 0)
-          bulk_store::copy(buffer + 8 * r * kRowBytes, static_cast<uint16_t*>(p.partial_o) + it.slot[r] * kHeadDim,
-                           uint32_t(min(group, kWarpPartialRows) * kRowBytes));
-      bulk_store::commit();
+          cute::SM90_BULK_COPY_S2G::copy(buffer + 8 * r * kRowBytes,
+                                         static_cast<uint16_t*>(p.partial_o) + it.slot[r] * kHeadDim,
+                                         min(group, kWarpPartialRows) * kRowBytes);
+      cute::tma_store_arrive();  // commit
     }
     // the lse after the fence, which would otherwise wait for these global stores too
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      if (it.slot[r] >= 0 && (lane & 3) == 0)
-        p.partial_lse[it.slot[r]] = !(l[r] > 0.0f) ? -INFINITY : (m[r] + log2f(l[r])) * sm80::kLn2;
+      if (it.slot[r] >= 0 && (lane & 3) == 0) p.partial_lse[it.slot[r]] = partial_lse(r);
   }
 }
 
