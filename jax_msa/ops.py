@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_msa import _ffi, _validation, reference
+from jax_msa import _ffi, _query_chunks, _validation, reference
 from jax_msa import kv_cache as kvc
 from jax_msa.plan import PrefillPlan, build_prefill_plan, clamp_plan_entries, default_queries_per_tile
 
@@ -110,17 +110,34 @@ def _forward_only(name: str, fn):
 
 @_explained_sharding_errors("sparse_attention")
 def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, scale=None, return_lse=False,
-                     plan: PrefillPlan | None = None, impl="auto", k_scale=None, v_scale=None, q_scale=None):
+                     plan: PrefillPlan | None = None, impl="auto", k_scale=None, v_scale=None, q_scale=None,
+                     query_chunk_size: int | None = None):
     """MSA prefill / chunked prefill over a varlen batch (MSA.md section 2).
 
     q [total_q, Hq, D] bf16 (or float8_e4m3fn with q_scale); kv_cache in any of the three formats;
     topk [Hkv, total_q, K] int32 request-local block ids (-1 = hole); cu_seqlens_q [B+1]; seq_lens [B]
     (total KV length, new tokens included); block_table [B, max_blocks]. Returns bf16 out [total_q, Hq, D]
     and, with return_lse, fp32 lse [total_q, Hq].
+
+    query_chunk_size (static int): when total_q exceeds it, the tokens run in windows of at most that many, one
+    after the other, each with its own plan and workspace (the partial workspace then scales with the window, not
+    with total_q); the results are those of one call. Not with ``plan=`` (a plan covers the whole batch).
     """
     cfg = _validation.check_attention(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table,
                                       q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
     softmax_scale = _validation.static_softmax_scale(scale, cfg.head_dim)
+    chunk_size = _query_chunks.check_chunk_size(query_chunk_size)
+    if chunk_size is not None and plan is not None:
+        raise ValueError("jax_msa.sparse_attention: plan= and query_chunk_size cannot be combined: a plan covers "
+                         "the whole batch, and the windows build their own; pass one or the other")
+    if chunk_size is not None and q.shape[0] > chunk_size:
+        def attend(window_q, window_topk, window_cu, window_seq):
+            return sparse_attention(window_q, kv_cache, window_topk, cu_seqlens_q=window_cu, seq_lens=window_seq,
+                                    block_table=block_table, scale=softmax_scale, return_lse=True, impl=impl,
+                                    k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
+
+        out, lse = _query_chunks.run_in_windows(attend, q, topk, cu_seqlens_q, seq_lens, chunk_size)
+        return (out, lse) if return_lse else out
     scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
 
     def ref(q, kv_cache, topk, cu, sl, bt, scales, plan):

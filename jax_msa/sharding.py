@@ -146,11 +146,12 @@ def sharded_sparse_decode(mesh: Mesh, *, data_axis: str | None = "data", model_a
 
 
 def sharded_sparse_attention(mesh: Mesh, *, data_axis: str | None = "data", model_axis: str | None = "model",
-                             scale=None, return_lse: bool = False, impl: str = "auto") -> Callable:
+                             scale=None, return_lse: bool = False, impl: str = "auto",
+                             query_chunk_size: int | None = None) -> Callable:
     """Returns attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, k_scale=None,
     v_scale=None, q_scale=None) -> out (or (out, lse)): jax_msa.sparse_attention (prefill) per shard.
     cu_seqlens_q is [d * (B/d + 1)]: each data shard's prefix sums over its own T/d tokens. The prefill
-    plan is built inside each shard."""
+    plan is built inside each shard; query_chunk_size windows each shard's T/d tokens."""
     specs = ServingSpecs(data_axis, model_axis)
     d, m = _axis_size(mesh, data_axis), _axis_size(mesh, model_axis)
 
@@ -169,7 +170,7 @@ def sharded_sparse_attention(mesh: Mesh, *, data_axis: str | None = "data", mode
         def local(q, kv_cache, topk, cu, seq_lens, block_table, scales):
             out, lse = ops.sparse_attention(q, kv_cache, topk, cu_seqlens_q=cu, seq_lens=seq_lens,
                                             block_table=block_table, scale=scale, return_lse=True, impl=impl,
-                                            **scales)
+                                            query_chunk_size=query_chunk_size, **scales)
             return out, lse
 
         out, lse = _shard_map(local, mesh,

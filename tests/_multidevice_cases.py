@@ -153,16 +153,17 @@ def test_sharded_prefill_equals_unsharded(mesh_name):
         *a[:3], cu_seqlens_q=a[3], seq_lens=a[4], block_table=a[5], return_lse=True, impl="kernel"))(
         q, cache, topk, global_cu, seq_lens, _global_ids(bt, pages).reshape(-1, bt.shape[-1]))
 
-    attention = sharded_sparse_attention(mesh, return_lse=True, impl="kernel")
     args = (_put(mesh, q, SPECS.q), _put(mesh, cache, SPECS.kv_cache), _put(mesh, topk, SPECS.topk),
             _put(mesh, local_cu, SPECS.per_request), _put(mesh, seq_lens, SPECS.per_request),
             _put(mesh, jnp.asarray(bt.reshape(-1, bt.shape[-1])), SPECS.block_table))
+    for query_chunk_size in (None, 5):  # 5: each shard's 16 tokens in windows (jax_msa/_query_chunks.py)
+        attention = sharded_sparse_attention(mesh, return_lse=True, impl="kernel", query_chunk_size=query_chunk_size)
 
-    def step(q, cache, topk, cu, sl, bt):
-        return attention(q, cache, topk, cu_seqlens_q=cu, seq_lens=sl, block_table=bt)
+        def step(q, cache, topk, cu, sl, bt):
+            return attention(q, cache, topk, cu_seqlens_q=cu, seq_lens=sl, block_table=bt)
 
-    assert_bitwise_equal(jax.jit(step)(*args), want)
-    _assert_no_collectives(step, *args)
+        assert_bitwise_equal(jax.jit(step)(*args), want)
+        _assert_no_collectives(step, *args)
 
 
 @pytest.mark.parametrize("mesh_name", ["mesh2x4"])

@@ -252,6 +252,23 @@ def test_prefill_then_decode_equals_one_prefill(dense):
             np.testing.assert_array_equal(dec_topk, np.asarray(topk_full)[:, rows])
 
 
+def test_prefill_in_query_windows_is_bit_identical():
+    """MSAAttention(query_chunk_size=...): the prefill's attention in windows of tokens changes nothing."""
+    module = layer(False)
+    rng = np.random.default_rng(3)
+    seq_lens, new_lens = [650, 300], [230, 300]
+    block_table = block_tables(rng, seq_lens, num_pages=12, max_blocks=7)
+    kv, ic = poisoned_caches(12, False)
+    kv = jnp.where(jnp.isnan(kv), 0.5, kv)  # a prefix in the cache for request 0
+    ic = jnp.where(jnp.isnan(ic), -0.25, ic)
+    x = jnp.asarray(bf16(rng.standard_normal((sum(new_lens), CFG.hidden_size))))
+    whole = run_prefill(module, x, seq_lens, new_lens, block_table, kv, ic)
+    module.query_chunk_size = 96
+    windows = run_prefill(module, x, seq_lens, new_lens, block_table, kv, ic)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(windows)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
 def test_weight_loading_round_trip(tmp_path):
     """HF-named tensors written to safetensors load onto the module, transposed where HF stores [out, in]."""
     rng = np.random.default_rng(3)

@@ -76,7 +76,15 @@ def make_cache(fmt, blocks, hkv):
     return jax.jit(jax_msa.write_kv)(cache, k, v, jnp.arange(blocks * 128, dtype=jnp.int32))
 
 
-def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="row", partial_order=None):
+def temp_gb(fn, args):
+    """XLA's temporary buffers of the compiled fn (the partial workspace among them), GB; None if not reported."""
+    try:
+        return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 1e9
+    except Exception:  # noqa: BLE001 (a backend without memory analysis)
+        return None
+
+
+def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="row", partial_order=None, query_chunk=None):
     rng = np.random.default_rng(0)
     blocks = -(-n // 128)
     topk_np = make_topk(rng, n, hkv)
@@ -93,17 +101,26 @@ def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="row", partial_orde
     # buffer records the launches of that first run); without --partial-order the environment is left as it is
     if partial_order is not None:
         os.environ["JAX_MSA_PARTIAL_FRAGMENT_ORDER"] = "1" if partial_order == "fragment" else "0"
-    attn = jax.jit(lambda q, c, t, cu, s, b, p: jax_msa.sparse_attention(
-        q, c, t, cu_seqlens_q=cu, seq_lens=s, block_table=b, plan=p, impl="kernel"))
     plan = plan_fn(topk, cu, seq)
     p_med, p_lo, p_hi = median_p10_p90(plan_fn, (topk, cu, seq), repeats)
-    k_med, k_lo, k_hi = median_p10_p90(attn, (q, cache, topk, cu, seq, bt, plan), repeats)
+    if query_chunk is None:
+        attn = jax.jit(lambda q, c, t, cu, s, b, p: jax_msa.sparse_attention(
+            q, c, t, cu_seqlens_q=cu, seq_lens=s, block_table=b, plan=p, impl="kernel"))
+        args = (q, cache, topk, cu, seq, bt, plan)
+    else:  # the prompt in windows of query_chunk tokens, each with its own plan (timed with the kernels)
+        attn = jax.jit(lambda q, c, t, cu, s, b: jax_msa.sparse_attention(
+            q, c, t, cu_seqlens_q=cu, seq_lens=s, block_table=b, impl="kernel", query_chunk_size=query_chunk))
+        args = (q, cache, topk, cu, seq, bt)
+    k_med, k_lo, k_hi = median_p10_p90(attn, args, repeats)
+    temp = temp_gb(attn, args)
     flops = useful_flops(topk_np, n, hq)
     label = ", ".join([fmt] + ([f"{work_order} order"] if work_order != "row" else [])
-                      + (["fragment-order partials"] if partial_order == "fragment" else []))
+                      + (["fragment-order partials"] if partial_order == "fragment" else [])
+                      + ([f"windows of {query_chunk} tokens, plans included"] if query_chunk else []))
     row = (f"| {n // 1024}k | {hq}/{hkv} | {label} | {p_med * 1e3:.2f} ({p_lo * 1e3:.2f}-{p_hi * 1e3:.2f}) | "
            f"{k_med * 1e3:.2f} ({k_lo * 1e3:.2f}-{k_hi * 1e3:.2f}) | {flops / k_med / 1e12:.1f} | "
-           f"{100 * flops / k_med / PEAK:.1f}% | {100 * p_med / k_med:.1f}% |")
+           f"{100 * flops / k_med / PEAK:.1f}% | {100 * p_med / k_med:.1f}% | "
+           f"{'-' if temp is None else f'{temp:.2f}'} |")
     if dense:
         qd = q[None]
         kd = jax.random.normal(jax.random.PRNGKey(2), (1, n, hkv, D), jnp.bfloat16)
@@ -133,6 +150,9 @@ def main():
     ap.add_argument("--partial-order", action="append", choices=["natural", "fragment"],
                     help="column order of the sm90 kernel's bf16 partials (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0: natural; "
                          "only calls the sm90 wgmma kernel serves); default: as the environment says (fragment)")
+    ap.add_argument("--query-chunk", type=int, action="append",
+                    help="also time sparse_attention(query_chunk_size=N): the prompt in windows of N tokens, each "
+                         "with its own plan (timed with the kernels) and workspace")
     a = ap.parse_args()
     if a.pipelined:  # read by the CUDA handler at its first call
         os.environ["JAX_MSA_PREFILL_PIPELINED"] = "1"
@@ -140,8 +160,8 @@ def main():
     heads = [tuple(int(x) for x in h.split("/")) for h in (a.heads or ["64/4", "16/1"])]
     print(f"devices {jax.devices()}  CUDA targets {sorted(jax_msa._ffi.cuda_targets())}")
     print("| N | heads | KV | plan ms (p10-p90) | kernels ms (p10-p90) | useful TFLOP/s | of 790 | plan / kernels "
-          "| dense cuDNN ms | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| XLA temp GB | dense cuDNN ms | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in tokens:
         for hq, hkv in heads:
             for fmt in a.fmt or ["BF16"]:
@@ -149,6 +169,8 @@ def main():
                     for partial_order in a.partial_order or [None]:
                         print(bench(n, hq, hkv, a.repeats, not a.no_dense and fmt == "BF16", fmt, order,
                                     partial_order), flush=True)
+                    for chunk in a.query_chunk or []:
+                        print(bench(n, hq, hkv, a.repeats, False, fmt, order, query_chunk=chunk), flush=True)
 
 
 if __name__ == "__main__":

@@ -36,14 +36,17 @@ def _linear(n_in, n_out, param_dtype, rngs):
 class MSAAttention(nnx.Module):
     """One M3 attention layer. ``dense=True``: a dense causal GQA layer (no indexer weights).
     ``param_dtype``: the weights' dtype (bf16 as served). ``impl`` is passed to the jax_msa ops
-    (``"auto"``: the platform's kernel where there is one, else the jnp reference)."""
+    (``"auto"``: the platform's kernel where there is one, else the jnp reference). ``query_chunk_size``: a
+    prefill step runs its tokens in windows of at most that many (``jax_msa.sparse_attention``), which bounds the
+    attention's partial workspace (None: one window)."""
 
     def __init__(self, config: M3AttentionConfig, *, dense: bool = False, rngs: nnx.Rngs,
-                 param_dtype=jnp.bfloat16, impl: str = "auto"):
+                 param_dtype=jnp.bfloat16, impl: str = "auto", query_chunk_size: int | None = None):
         c = config
         self.config = c
         self.dense = dense
         self.impl = impl
+        self.query_chunk_size = query_chunk_size
         self.q_proj = _linear(c.hidden_size, c.num_q_heads * c.head_dim, param_dtype, rngs)
         self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, param_dtype, rngs)
         self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, param_dtype, rngs)
@@ -104,7 +107,8 @@ class MSAAttention(nnx.Module):
             if batch.is_decode:
                 out = jax_msa.sparse_decode(q, kv_cache, topk, decode_query_len=batch.decode_query_len, **common)
             else:
-                out = jax_msa.sparse_attention(q, kv_cache, topk, cu_seqlens_q=batch.cu_seqlens_q, **common)
+                out = jax_msa.sparse_attention(q, kv_cache, topk, cu_seqlens_q=batch.cu_seqlens_q,
+                                               query_chunk_size=self.query_chunk_size, **common)
         y = self.o_proj(out.reshape(t, c.num_q_heads * c.head_dim).astype(jnp.bfloat16))
         if return_topk:
             return y, kv_cache, index_cache, topk

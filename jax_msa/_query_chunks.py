@@ -1,0 +1,85 @@
+"""A prefill run as a sequence of query windows (``sparse_attention(..., query_chunk_size=C)``).
+
+The prefill's device memory grows with the tokens of one call: the kernels write one normalized partial per
+(token, KV head, selected block) before the combine (``T * Hq * K * (2 * D + 4)`` bytes on the GPU, ~8.7 GB at
+32k tokens, 64 query heads, K = 16). Bounding it needs no new kernel: a token's result depends only on its own
+query, top-k row and causal position, so any window of the flat token axis is a chunked prefill of its own. This
+module gives each window the batch description under which its tokens keep their positions:
+
+- ``cu_seqlens_q`` clipped to the window [s, e) and shifted by s (a request's tokens outside the window drop out;
+  tokens before ``cu_seqlens_q[0]`` or after ``cu_seqlens_q[B]`` stay outside every request);
+- ``seq_lens[b]`` less request b's tokens after the window, so that token i of b keeps
+  ``pos = seq_lens[b] - q_len_b + i`` (the spec's bottom-right rule). The blocks that the shorter length puts out
+  of range all start after the window's last position, so they were causally invisible to its tokens anyway.
+
+The windows run one after the other in a ``lax.scan`` (one compiled body, its workspace allocated once) and write
+into the output in place. Their size is ``ceil(T / n)`` for ``n = ceil(T / C)`` windows, the last one moved back
+to end at T (it recomputes fewer than n tokens of the one before it, with identical results).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import jax
+import jax.numpy as jnp
+
+
+def check_chunk_size(query_chunk_size) -> int | None:
+    """The static window size, or None (no windows). Raises for anything but a positive integer."""
+    if query_chunk_size is None:
+        return None
+    try:
+        size = operator.index(query_chunk_size)
+    except TypeError:
+        raise TypeError(f"jax_msa.sparse_attention: query_chunk_size must be a Python int (static) or None; "
+                        f"got {type(query_chunk_size).__name__}") from None
+    if size < 1:
+        raise ValueError(f"jax_msa.sparse_attention: query_chunk_size must be >= 1; got {size}")
+    return size
+
+
+def window_layout(total_q: int, query_chunk_size: int) -> tuple[int, int]:
+    """(number of windows n, window size) for T = total_q tokens: n = ceil(T / C), size = ceil(T / n) <= C."""
+    n = math.ceil(total_q / query_chunk_size)
+    return n, math.ceil(total_q / n)
+
+
+def window_starts(total_q: int, query_chunk_size: int) -> jax.Array:
+    """int32 [n]: each window's first token; the last window ends at total_q."""
+    n, size = window_layout(total_q, query_chunk_size)
+    return jnp.minimum(jnp.arange(n, dtype=jnp.int32) * size, total_q - size)
+
+
+def window_batch(cu_seqlens_q, seq_lens, start, size: int):
+    """(cu_seqlens_q, seq_lens) of the window [start, start + size) of the flat token axis, as a chunked prefill of
+    its own whose tokens keep their positions. A request with no token in the window gets a length >= 0."""
+    cu = cu_seqlens_q.astype(jnp.int32)
+    clipped = jnp.clip(cu, start, start + size)
+    window_cu = clipped - start
+    tokens_after = cu[1:] - clipped[1:]
+    window_seq = seq_lens.astype(jnp.int32) - tokens_after
+    has_tokens = window_cu[1:] > window_cu[:-1]
+    return window_cu, jnp.where(has_tokens, window_seq, jnp.maximum(window_seq, 0))
+
+
+def run_in_windows(attend, q, topk, cu_seqlens_q, seq_lens, query_chunk_size: int):
+    """attend(q_window, topk_window, cu_window, seq_window) -> (out [size, Hq, D], lse [size, Hq]) over every
+    window of q [T, Hq, D] / topk [Hkv, T, K] in turn; returns (out [T, Hq, D], lse [T, Hq])."""
+    total_q, num_heads = q.shape[0], q.shape[1]
+    _, size = window_layout(total_q, query_chunk_size)
+
+    def step(carry, start):
+        out, lse = carry
+        window_q = jax.lax.dynamic_slice_in_dim(q, start, size, axis=0)
+        window_topk = jax.lax.dynamic_slice_in_dim(topk, start, size, axis=1)
+        window_cu, window_seq = window_batch(cu_seqlens_q, seq_lens, start, size)
+        o, l = attend(window_q, window_topk, window_cu, window_seq)
+        out = jax.lax.dynamic_update_slice_in_dim(out, o.astype(out.dtype), start, axis=0)
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, l.astype(lse.dtype), start, axis=0)
+        return (out, lse), None
+
+    init = (jnp.zeros((total_q, num_heads, q.shape[2]), jnp.bfloat16), jnp.zeros((total_q, num_heads), jnp.float32))
+    (out, lse), _ = jax.lax.scan(step, init, window_starts(total_q, query_chunk_size))
+    return out, lse

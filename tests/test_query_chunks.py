@@ -1,0 +1,142 @@
+"""sparse_attention(..., query_chunk_size=C): the prefill in query windows (jax_msa/_query_chunks.py).
+
+A window of the flat token axis is a chunked prefill of its own; run one after the other, the windows must give
+exactly the results of one call (bit-identical: a token's result depends only on its own query, top-k row and
+position), while each custom call's partial workspace is sized by the window.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_msa
+from jax_msa import _ffi, _query_chunks, reference
+from problems import make_problem
+
+SHAPES = dict(num_q_heads=16, num_kv_heads=2, head_dim=128, topk=8)
+
+
+def _problem(seed=7):
+    # corners: a one-token request, lengths off the tile grid, a request with no new tokens, one whose first
+    # tokens sit at negative positions (seq_len < q_len), a chunked prefill over a cached prefix, padding rows
+    return make_problem(seed, q_lens=[1, 127, 0, 40, 129, 150], seq_lens=[5, 127, 260, 20, 400, 1000],
+                        pad_tokens=5, **SHAPES)
+
+
+def _attention(p, impl, **kw):
+    fn = jax.jit(lambda q, c, t: jax_msa.sparse_attention(q, c, t, return_lse=True, impl=impl,
+                                                          **p.prefill_kwargs(), **kw))
+    return fn(p.q, p.kv_cache, p.topk)
+
+
+def _assert_bit_identical(a, b):
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    np.testing.assert_array_equal(np.asarray(out_a).view(np.uint16), np.asarray(out_b).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(lse_a).view(np.uint32), np.asarray(lse_b).view(np.uint32))
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_windows_match_one_call_bit_for_bit(impl):
+    p = _problem()
+    total_q = p.q.shape[0]
+    whole = _attention(p, impl)
+    assert np.isneginf(np.asarray(whole[1])).any() and np.isfinite(np.asarray(whole[1])).any()
+    for size in [1, 37, 128, total_q - 1, total_q, total_q + 100]:
+        _assert_bit_identical(_attention(p, impl, query_chunk_size=size), whole)
+
+
+def test_windows_in_every_cache_format():
+    for fmt in [jax_msa.KVFormat.FP8, jax_msa.KVFormat.NVFP4]:
+        p = _problem(11)
+        pages, hkv = p.k.shape[:2]
+        cache = jax_msa.allocate_cache(fmt, pages, hkv, 128)
+        flat = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3).reshape(pages * 128, hkv, 128), jnp.bfloat16)
+        cache = reference.write_kv(cache, flat(p.k), flat(p.v), jnp.arange(pages * 128, dtype=jnp.int32),
+                                   k_scale=0.5, v_scale=2.0)
+        fn = lambda **kw: jax.jit(lambda q, c, t: jax_msa.sparse_attention(
+            q, c, t, return_lse=True, k_scale=0.5, v_scale=2.0, **p.prefill_kwargs(), **kw))(p.q, cache, p.topk)
+        _assert_bit_identical(fn(query_chunk_size=100), fn())
+
+
+def test_window_batch_keeps_every_token_position():
+    p = _problem(3)
+    total_q = p.q.shape[0]
+    req, pos, in_batch = (np.asarray(x) for x in reference.prefill_positions(p.cu_seqlens_q, p.seq_lens, total_q))
+    for size in [1, 50, 128, total_q - 3]:
+        starts = np.asarray(_query_chunks.window_starts(total_q, size))
+        n, window = _query_chunks.window_layout(total_q, size)
+        assert len(starts) == n and window <= size and starts[-1] + window == total_q
+        assert starts[0] == 0 and np.all(np.diff(starts) <= window)  # the windows cover every token
+        for s in starts:
+            cu, seq = _query_chunks.window_batch(p.cu_seqlens_q, p.seq_lens, jnp.int32(s), window)
+            w_req, w_pos, w_in = (np.asarray(x) for x in reference.prefill_positions(cu, seq, window))
+            sl = slice(int(s), int(s) + window)
+            np.testing.assert_array_equal(w_in, in_batch[sl])
+            np.testing.assert_array_equal(w_req[w_in], req[sl][w_in])
+            np.testing.assert_array_equal(w_pos[w_in], pos[sl][w_in])
+            counts = np.diff(np.asarray(cu))
+            assert np.all(np.asarray(seq)[counts == 0] >= 0)
+
+
+def _prefill_call_results(text: str) -> list[list[str]]:
+    """The result types of every prefill custom call in a lowered module's text."""
+    calls = []
+    for line in text.splitlines():
+        if re.search(rf"custom_call\s*@{_ffi.TARGET_PREFILL}\b", line):
+            calls.append(re.findall(r"tensor<([^>]*)>", line.split("->")[-1]))
+    return calls
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_one_custom_call_in_a_loop_with_a_window_sized_workspace(platform):
+    if platform == "cuda" and _ffi.TARGET_PREFILL not in _ffi.cuda_targets():
+        pytest.skip("built without the CUDA prefill handler")
+    p = _problem(5)
+    total_q, size = p.q.shape[0], 128
+    n, window = _query_chunks.window_layout(total_q, size)
+    assert n == 4 and window < total_q
+
+    def fn(q, c, t):
+        return jax_msa.sparse_attention(q, c, t, query_chunk_size=size, **p.prefill_kwargs())
+
+    text = jax.jit(fn).trace(p.q, p.kv_cache, p.topk).lower(lowering_platforms=(platform,)).as_text()
+    assert "stablehlo.while" in text
+    calls = _prefill_call_results(text)
+    assert len(calls) == 1, calls
+    partial = "bf16" if platform == "cuda" else "f32"
+    hkv, k, g = SHAPES["num_kv_heads"], SHAPES["topk"], SHAPES["num_q_heads"] // SHAPES["num_kv_heads"]
+    assert f"{window}x{hkv}x{k}x{g}x128x{partial}" in calls[0], calls[0]
+    assert not any(t.startswith(f"{total_q}x") for t in calls[0]), calls[0]
+
+
+def test_bad_chunk_sizes_and_a_plan_are_refused():
+    p = _problem(9)
+    args = (p.q, p.kv_cache, p.topk)
+    for bad, err in [(0, ValueError), (-4, ValueError), (2.5, TypeError), ("64", TypeError)]:
+        with pytest.raises(err, match="query_chunk_size"):
+            jax_msa.sparse_attention(*args, query_chunk_size=bad, **p.prefill_kwargs())
+    with pytest.raises(TypeError, match="query_chunk_size"):  # a traced size cannot shape the windows
+        jax.jit(lambda n: jax_msa.sparse_attention(*args, query_chunk_size=n, **p.prefill_kwargs()))(64)
+    plan = jax_msa.build_prefill_plan(p.topk, p.cu_seqlens_q, p.seq_lens, max_blocks=p.block_table.shape[1])
+    with pytest.raises(ValueError, match="plan= and query_chunk_size"):
+        jax_msa.sparse_attention(*args, plan=plan, query_chunk_size=10_000, **p.prefill_kwargs())
+    out = jax_msa.sparse_attention(*args, query_chunk_size=np.int64(64), **p.prefill_kwargs())  # numpy ints are static
+    assert out.shape == p.q.shape
+
+
+def test_windows_stay_forward_only_and_the_reference_differentiable():
+    p = _problem(13)
+
+    def loss(q, impl):
+        return jax_msa.sparse_attention(q, p.kv_cache, p.topk, impl=impl, query_chunk_size=100,
+                                        **p.prefill_kwargs()).astype(jnp.float32).sum()
+
+    with pytest.raises(TypeError, match="forward-only"):
+        jax.grad(loss)(p.q.astype(jnp.float32).astype(jnp.bfloat16), "auto")
+    g = jax.grad(loss)(p.q, "reference")
+    g_whole = jax.grad(lambda q: jax_msa.sparse_attention(q, p.kv_cache, p.topk, impl="reference",
+                                                          **p.prefill_kwargs()).astype(jnp.float32).sum())(p.q)
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_whole, np.float32), rtol=0, atol=0)
