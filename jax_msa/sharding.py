@@ -40,7 +40,7 @@ from typing import Callable
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_msa import ops
+from jax_msa import _validation, ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +125,9 @@ def sharded_sparse_decode(mesh: Mesh, *, data_axis: str | None = "data", model_a
     d, m = _axis_size(mesh, data_axis), _axis_size(mesh, model_axis)
 
     def decode(q, kv_cache, topk, seq_lens, block_table, *, k_scale=None, v_scale=None, q_scale=None):
+        # the op's own checks on the global shapes first: inside a shard its messages would quote shard sizes
+        _validation.check_decode(q, kv_cache, topk, seq_lens, block_table, decode_query_len, q_scale=q_scale,
+                                 k_scale=k_scale, v_scale=v_scale)
         _check_divisible("Hkv (topk.shape[0])", topk.shape[0], model_axis, m)
         _check_divisible("B (seq_lens.shape[0])", seq_lens.shape[0], data_axis, d)
         _check_divisible("pages (kv_cache.shape[0])", kv_cache.shape[0], data_axis, d)
@@ -157,6 +160,9 @@ def sharded_sparse_attention(mesh: Mesh, *, data_axis: str | None = "data", mode
 
     def attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, k_scale=None, v_scale=None,
                   q_scale=None):
+        # the op's own checks on the global shapes first (cu_seqlens_q is per data shard: checked below)
+        _validation.check_query_cache_topk(q, kv_cache, topk, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+        _validation.check_paging(seq_lens, block_table)
         _check_divisible("Hkv (topk.shape[0])", topk.shape[0], model_axis, m)
         _check_divisible("B (seq_lens.shape[0])", seq_lens.shape[0], data_axis, d)
         _check_divisible("T (q.shape[0])", q.shape[0], data_axis, d)
@@ -191,6 +197,7 @@ def sharded_write_kv(mesh: Mesh, *, data_axis: str | None = "data", model_axis: 
     d, m = _axis_size(mesh, data_axis), _axis_size(mesh, model_axis)
 
     def write(kv_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None):
+        _validation.check_write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)  # on the global shapes
         _check_divisible("Hkv (k.shape[1])", k.shape[1], model_axis, m)
         _check_divisible("N (k.shape[0])", k.shape[0], data_axis, d)
         _check_divisible("pages (kv_cache.shape[0])", kv_cache.shape[0], data_axis, d)

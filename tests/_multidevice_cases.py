@@ -172,6 +172,17 @@ def test_indivisible_shapes_raise(mesh_name):
     p = make_decode_problem(7300, seq_lens=[300, 77], num_q_heads=4, num_kv_heads=2, head_dim=64, topk=4)
     with pytest.raises(ValueError, match=r"Hkv \(topk.shape\[0\]\) = 2 must be divisible by the size 4"):
         sharded_sparse_decode(mesh)(p.q, p.kv_cache, p.topk, p.seq_lens, p.block_table)
+    # shapes that disagree: the op's message with the global sizes the caller passed, not one shard's
+    topk4 = jnp.concatenate([p.topk, p.topk])  # 4 KV heads against the cache's 2
+    with pytest.raises(ValueError, match=r"topk must be \[Hkv, total_q, K\] = \[2, 2, K\]; got shape \(4, 2, 4\)"):
+        sharded_sparse_decode(mesh)(p.q, p.kv_cache, topk4, p.seq_lens, p.block_table)
+    cu = jnp.asarray([0, 1, 0, 1], jnp.int32)
+    with pytest.raises(ValueError, match=r"got shape \(4, 2, 4\)"):
+        sharded_sparse_attention(mesh)(p.q, p.kv_cache, topk4, cu_seqlens_q=cu, seq_lens=p.seq_lens,
+                                       block_table=p.block_table)
+    k = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="k has 4 KV heads but kv_cache holds 2"):
+        sharded_write_kv(mesh)(p.kv_cache, k, k, jnp.zeros((2,), jnp.int32))
 
 
 @pytest.mark.parametrize("mesh_name", ["mesh2x4"])

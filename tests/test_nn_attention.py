@@ -252,6 +252,17 @@ def test_prefill_then_decode_equals_one_prefill(dense):
             np.testing.assert_array_equal(dec_topk, np.asarray(topk_full)[:, rows])
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_decode_rows_must_match_the_batch(dense):
+    """Decode has no padding rows: x of any other length than B * decode_query_len is refused (the dense layer
+    used to take the extra rows as the last request's tokens and overwrite its new K / V)."""
+    module = layer(dense)
+    kv, ic = poisoned_caches(4, dense)
+    batch = PagedBatch.decode(jnp.asarray([130, 5], jnp.int32), jnp.asarray([[0, 1], [2, 3]], jnp.int32))
+    with pytest.raises(ValueError, match=r"B \* decode_query_len"):
+        module(jnp.zeros((4, CFG.hidden_size), jnp.bfloat16), kv, ic, batch)
+
+
 def test_prefill_in_query_windows_is_bit_identical():
     """MSAAttention(query_chunk_size=...): the prefill's attention in windows of tokens changes nothing."""
     module = layer(False)

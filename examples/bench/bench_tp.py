@@ -42,16 +42,19 @@ def prefill_inputs(n, hq, hkv):
 
 
 def decode_inputs(batch, context, hq, hkv):
-    """batch requests of `context` tokens over a shuffled page pool; the local block + 15 earlier blocks."""
+    """batch requests of `context` tokens over a shuffled page pool; the local block + K - 1 distinct earlier blocks
+    (all the earlier ones when there are fewer)."""
     rng = np.random.default_rng(1)
-    max_blocks = context // 128
+    max_blocks = -(-context // 128)  # the last, partial block has its page too
     pages = batch * max_blocks
     q = jax.random.normal(jax.random.PRNGKey(2), (batch, hq, D), jnp.bfloat16)
     cache = jax.random.normal(jax.random.PRNGKey(3), (pages, hkv, 128, 2 * D), jnp.bfloat16)
     block_table = rng.permutation(pages).reshape(batch, max_blocks).astype(np.int32)
-    local = (context - 1) // 128
-    picks = np.argpartition(rng.random((hkv * batch, local)), K - 2, axis=1)[:, : K - 1]
-    topk = np.concatenate([np.full((hkv * batch, 1), local), picks], axis=1).reshape(hkv, batch, K)
+    local = max_blocks - 1
+    earlier = min(K - 1, local)
+    picks = np.argsort(rng.random((hkv * batch, local)), axis=1)[:, :earlier]  # distinct blocks in [0, local)
+    holes = np.full((hkv * batch, K - 1 - earlier), -1)
+    topk = np.concatenate([np.full((hkv * batch, 1), local), picks, holes], axis=1).reshape(hkv, batch, K)
     return dict(q=q, kv_cache=cache, topk=jnp.asarray(topk.astype(np.int32)),
                 seq_lens=jnp.full((batch,), context, jnp.int32), block_table=jnp.asarray(block_table))
 

@@ -87,6 +87,10 @@ class MSAAttention(nnx.Module):
         (``None`` for a dense layer)."""
         c = self.config
         t = x.shape[0]
+        if batch.is_decode and t != batch.seq_lens.shape[0] * batch.decode_query_len:
+            # decode has no padding rows: a row past B * decode_query_len would take the last request's slot
+            raise ValueError(f"a decode step's x must be [B * decode_query_len, hidden] = "
+                             f"[{batch.seq_lens.shape[0] * batch.decode_query_len}, {c.hidden_size}]; got {tuple(x.shape)}")
         req, pos, in_batch = batch.token_positions(t)
         slots = batch.slot_mapping(t)
         cos, sin = rope_cos_sin(pos, c.rotary_dim, c.rope_theta)
