@@ -7,6 +7,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_msa import kv_cache as kvc
 
@@ -58,9 +59,12 @@ def static_softmax_scale(scale, head_dim: int) -> float:
     """The softmax scale as the Python float the kernels are compiled with (default head_dim^-0.5)."""
     if scale is None:
         return head_dim**-0.5
+    shape = tuple(getattr(scale, "shape", ()))
+    if shape not in ((), (1,)):
+        raise ValueError(f"scale must be a scalar (a static Python number); got shape {shape}")
     try:
-        return float(scale)
-    except (TypeError, jax.errors.ConcretizationTypeError):
+        return float(np.asarray(scale).reshape(()) if shape == (1,) else scale)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         raise TypeError(
             "scale must be a static Python number: it is compiled into the kernels (an ffi attribute); got "
             f"{type(scale).__name__}. Pass a float, or fold a traced factor into q (jax_msa.reference accepts "
@@ -75,6 +79,8 @@ def check_query_cache_topk(q, kv_cache, topk, *, q_scale=None, k_scale=None, v_s
     if qdt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)):
         raise TypeError(f"q must be bfloat16 (or float8_e4m3fn with q_scale); got dtype {q.dtype}")
     total_q, hq, d = qs
+    if hq < 1:
+        raise ValueError(f"q must have at least one head; got shape {qs}")
     if d < 1:
         raise ValueError(f"q head_dim must be >= 1; got shape {qs}")
     fmt, hkv = kvc.detect_format(kv_cache, d, name="kv_cache")

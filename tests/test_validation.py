@@ -276,6 +276,19 @@ def test_softmax_scale_must_be_static():
         concrete = jnp.float32(0.1)
         jax.eval_shape(lambda: fn(0.1))  # a Python float traces
         jax.eval_shape(lambda: fn(concrete))  # a concrete array captured from outside the trace too
+        one = jnp.asarray([0.1], jnp.float32)
+        jax.eval_shape(lambda: fn(one))  # shape (1,), as k_scale / v_scale / q_scale take
+        with pytest.raises(ValueError, match=r"scale must be a scalar .*got shape \(2,\)"):
+            jax.eval_shape(lambda: fn(jnp.asarray([0.1, 0.2], jnp.float32)))
+
+
+def test_query_without_heads():
+    """Hq = 0 is an argument error, not a ZeroDivisionError from the group size."""
+    no_heads = jnp.zeros((T, 0, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"q must have at least one head"):
+        _trace_attention(q=no_heads)
+    with pytest.raises(ValueError, match=r"q must have at least one head"):
+        _trace_decode(q=no_heads[:B])
 
 
 @pytest.mark.parametrize("impl", ["reference", "kernel", "auto"])
