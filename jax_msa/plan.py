@@ -146,6 +146,20 @@ def _row_pointers(sorted_key, rows: int):
     return jax.lax.cummin(starts, axis=1, reverse=True)
 
 
+def _tile_rows(tiles, tile_end, cap: int):
+    """gr [cap]: the (head, row) index whose tiles [tile_end - tiles, tile_end) hold tile w, for w in [0, cap) (w past
+    the last tile: the last (head, row) with tiles), as searchsorted(tile_end, w, side="right") clipped to the rows
+    gives it where tiles exist.
+
+    Each (head, row) with tiles writes its index at its first tile (distinct positions: no collisions), then a running
+    maximum fills the rest: one scatter of the rows and one scan over the tiles, instead of a binary search of every
+    tile over the rows."""
+    n = tiles.shape[0]
+    start = jnp.where(tiles > 0, tile_end - tiles, cap)  # rows without tiles: out of range, dropped
+    marks = jnp.zeros((cap,), jnp.int32).at[start].max(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return jax.lax.cummax(marks, axis=0)
+
+
 def work_capacity(num_kv_heads: int, total_q: int, topk: int, batch: int, max_blocks: int,
                   queries_per_tile: int) -> int:
     rows = batch * max_blocks
@@ -215,9 +229,7 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     tile_end = jnp.cumsum(tiles, dtype=jnp.int32)
     num_work = tile_end[-1] if tiles.size else jnp.int32(0)
     w = jnp.arange(cap, dtype=jnp.int32)
-    # (unrolled: a loop would be an XLA while loop, whose trip test costs a host round trip on GPUs)
-    gr = jnp.searchsorted(tile_end, w, side="right", method="scan_unrolled").astype(jnp.int32)
-    gr = jnp.clip(gr, 0, hkv * rows - 1)
+    gr = _tile_rows(tiles, tile_end, cap)
     j = w - (tile_end[gr] - tiles[gr])
     g = gr // rows
     r = gr % rows
