@@ -1,11 +1,16 @@
 """Wall time of the jitted prefill plan builder (jnp) on the bench_prefill top-k, and the sort / scatter ops XLA
 compiled it to.
 
-    python examples/bench/bench_plan.py --case 32768,4 --case 131072,4
+    python examples/bench/bench_plan.py --case 32768,4 --case 131072,4 --case 32768,4,1048576
+
+A case is tokens,kv_heads[,context]: with a context, the tokens are a chunked prefill at the end of a prompt of that
+many tokens (the block table as wide as the context; the bench_prefill top-k moved to the last blocks). "compile s" is
+XLA's compile time of the builder (the table's width once made it grow: docs/BENCHMARKS.md).
 """
 
 import argparse
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,22 +23,31 @@ from timing import median_p10_p90
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", action="append", help="tokens,kv_heads")
+    ap.add_argument("--case", action="append", help="tokens,kv_heads[,context]")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="32k only (the gpu_run.sh bench stage)")
     args = ap.parse_args()
-    print("| N | Hkv | plan ms (median) | p10-p90 | sort / scatter ops |")
-    print("|---|---|---|---|---|")
+    print("| N | Hkv | context | plan ms (median) | p10-p90 | compile s | sort / scatter ops |")
+    print("|---|---|---|---|---|---|---|")
     for case in args.case or (["32768,4"] if args.quick else ["32768,4", "131072,4"]):
-        n, hkv = (int(x) for x in case.split(","))
-        topk = jnp.asarray(make_topk(np.random.default_rng(0), n, hkv))
-        cu, seq = jnp.asarray([0, n], jnp.int32), jnp.asarray([n], jnp.int32)
-        fn = jax.jit(lambda t, c, s: build_prefill_plan(t, c, s, max_blocks=(n + 127) // 128, queries_per_tile=8))
+        n, hkv, *rest = (int(x) for x in case.split(","))
+        context = rest[0] if rest else n
+        if context < n:
+            raise SystemExit(f"--case {case}: the context ({context}) holds the new tokens ({n})")
+        shift = (context - n) // 128  # whole blocks of earlier context: the top-k's blocks move by as many
+        topk_np = make_topk(np.random.default_rng(0), n, hkv)
+        topk = jnp.asarray(np.where(topk_np >= 0, topk_np + shift, topk_np).astype(np.int32))
+        cu, seq = jnp.asarray([0, n], jnp.int32), jnp.asarray([shift * 128 + n], jnp.int32)
+        max_blocks = (context + 127) // 128
+        fn = jax.jit(lambda t, c, s: build_prefill_plan(t, c, s, max_blocks=max_blocks, queries_per_tile=8))
+        t0 = time.perf_counter()
+        compiled = fn.lower(topk, cu, seq).compile()
+        compile_s = time.perf_counter() - t0
         med, lo, hi = median_p10_p90(fn, (topk, cu, seq), args.repeats)
-        hlo = fn.lower(topk, cu, seq).compile().as_text()
+        hlo = compiled.as_text()
         ops = sorted(set(re.findall(r'custom_call_target="[^"]*sort[^"]*"|scatter\(', hlo)))
-        print(f"| {n} | {hkv} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} | {', '.join(ops)} |", flush=True)
-
+        print(f"| {n} | {hkv} | {context} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} | {compile_s:.1f} | "
+              f"{', '.join(ops)} |", flush=True)
 
 if __name__ == "__main__":
     main()
