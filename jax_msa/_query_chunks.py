@@ -15,6 +15,10 @@ module gives each window the batch description under which its tokens keep their
 The windows run one after the other in a ``lax.scan`` (one compiled body, its workspace allocated once) and write
 into the output in place. Their size is ``ceil(T / n)`` for ``n = ceil(T / C)`` windows, the last one moved back
 to end at T (it recomputes fewer than n tokens of the one before it, with identical results).
+
+The kernels compute each (token, block) partial and each token's merge on its own, so their windowed results are
+bit-identical to one call's. The jnp reference is the same computation, but XLA may compile it differently for a
+window's shapes (seen with one-token windows): equal up to the last bit of rounding there.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ def check_chunk_size(query_chunk_size) -> int | None:
     """The static window size, or None (no windows). Raises for anything but a positive integer."""
     if query_chunk_size is None:
         return None
+    if isinstance(query_chunk_size, bool):
+        raise TypeError("jax_msa.sparse_attention: query_chunk_size must be an int or None; got a bool")
     try:
         size = operator.index(query_chunk_size)
     except TypeError:

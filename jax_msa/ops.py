@@ -121,7 +121,8 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
 
     query_chunk_size (static int): when total_q exceeds it, the tokens run in windows of at most that many, one
     after the other, each with its own plan and workspace (the partial workspace then scales with the window, not
-    with total_q); the results are those of one call. Not with ``plan=`` (a plan covers the whole batch).
+    with total_q); the kernels' results are bit-identical to one call's (the jnp reference's up to rounding). Not
+    with ``plan=`` (a plan covers the whole batch).
     """
     cfg = _validation.check_attention(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table,
                                       q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)

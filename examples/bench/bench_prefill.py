@@ -119,7 +119,7 @@ def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="row", partial_orde
                       + ([f"windows of {query_chunk} tokens, plans included"] if query_chunk else []))
     row = (f"| {n // 1024}k | {hq}/{hkv} | {label} | {p_med * 1e3:.2f} ({p_lo * 1e3:.2f}-{p_hi * 1e3:.2f}) | "
            f"{k_med * 1e3:.2f} ({k_lo * 1e3:.2f}-{k_hi * 1e3:.2f}) | {flops / k_med / 1e12:.1f} | "
-           f"{100 * flops / k_med / PEAK:.1f}% | {100 * p_med / k_med:.1f}% | "
+           f"{100 * flops / k_med / PEAK:.1f}% | {'-' if query_chunk else f'{100 * p_med / k_med:.1f}%'} | "
            f"{'-' if temp is None else f'{temp:.2f}'} |")
     if dense:
         qd = q[None]
@@ -156,6 +156,7 @@ def main():
     a = ap.parse_args()
     if a.pipelined:  # read by the CUDA handler at its first call
         os.environ["JAX_MSA_PREFILL_PIPELINED"] = "1"
+    saved_partial_order = os.environ.get("JAX_MSA_PARTIAL_FRAGMENT_ORDER")  # --partial-order changes it per row
     tokens = a.tokens or ([32768] if a.quick else [8192, 32768, 131072])
     heads = [tuple(int(x) for x in h.split("/")) for h in (a.heads or ["64/4", "16/1"])]
     print(f"devices {jax.devices()}  CUDA targets {sorted(jax_msa._ffi.cuda_targets())}")
@@ -169,8 +170,11 @@ def main():
                     for partial_order in a.partial_order or [None]:
                         print(bench(n, hq, hkv, a.repeats, not a.no_dense and fmt == "BF16", fmt, order,
                                     partial_order), flush=True)
-                    for chunk in a.query_chunk or []:
-                        print(bench(n, hq, hkv, a.repeats, False, fmt, order, query_chunk=chunk), flush=True)
+                for chunk in a.query_chunk or []:  # default plans ("row") and partial order, as labelled
+                    os.environ.pop("JAX_MSA_PARTIAL_FRAGMENT_ORDER", None)
+                    if saved_partial_order is not None:
+                        os.environ["JAX_MSA_PARTIAL_FRAGMENT_ORDER"] = saved_partial_order
+                    print(bench(n, hq, hkv, a.repeats, False, fmt, query_chunk=chunk), flush=True)
 
 
 if __name__ == "__main__":
