@@ -179,12 +179,25 @@ H200_SMS = 132
 DECODE_CTAS_PER_SM = {kvc.KVFormat.BF16: 1, kvc.KVFormat.FP8: 2, kvc.KVFormat.NVFP4: 2}
 
 
-def decode_num_splits(cfg, q_len: int) -> int:
+@functools.cache
+def cuda_sm_count() -> int:
+    """SMs of the first CUDA device this process sees (what the decode's split rule fills); without one (lowering
+    for CUDA on a CPU-only machine, say) the H200's 132."""
+    try:
+        devices = jax.devices("cuda")
+    except Exception:  # noqa: BLE001 (no CUDA backend in this process: jax raises RuntimeError or ValueError)
+        return H200_SMS
+    count = getattr(devices[0], "core_count", None) if devices else None
+    return count if isinstance(count, int) and count > 0 else H200_SMS
+
+
+def decode_num_splits(cfg, q_len: int, num_sms: int | None = None) -> int:
     """Split-K factor of the CUDA decode kernel: when the (token, KV head) pairs alone give fewer than
-    DECODE_CTAS_PER_SM[format] CTAs an SM of the H200, the largest factor whose CTAs stay within that; never more
-    splits than top-k slots (cfg.topk)."""
+    DECODE_CTAS_PER_SM[format] CTAs an SM, the largest factor whose CTAs stay within that; never more splits than top-k
+    slots (cfg.topk). num_sms: the GPU's SMs (default cuda_sm_count(); the rule was tuned on the H200's 132)."""
+    sms = cuda_sm_count() if num_sms is None else num_sms
     pairs = cfg.batch * q_len * cfg.num_kv_heads
-    return max(1, min(cfg.topk, (H200_SMS * DECODE_CTAS_PER_SM[cfg.kv_format]) // max(pairs, 1)))
+    return max(1, min(cfg.topk, (sms * DECODE_CTAS_PER_SM[cfg.kv_format]) // max(pairs, 1)))
 
 
 @_explained_sharding_errors("sparse_decode")

@@ -33,3 +33,12 @@ def test_decode_split_factor(fmt, batch, hkv, q_len, want):
 def test_decode_splits_never_exceed_topk():
     for fmt in KVFormat:
         assert ops.decode_num_splits(_cfg(fmt, 1, 1, topk=4), 1) == 4
+
+
+def test_decode_splits_follow_the_sm_count():
+    """Another GPU's SM count scales the rule (an H100 PCIe has 114); without a CUDA device, the H200's 132."""
+    assert ops.cuda_sm_count() == 132  # no CUDA device in the CPU suite
+    cfg = _cfg(KVFormat.BF16, 16, 4)  # 64 pairs
+    assert ops.decode_num_splits(cfg, 1) == 2
+    assert ops.decode_num_splits(cfg, 1, num_sms=114) == 1
+    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 32, 1), 1, num_sms=114) == 7
