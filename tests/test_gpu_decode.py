@@ -316,3 +316,15 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, batch, q_len, splits, 
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
 def test_decode_small_for_sanitizer(fmt):
     check_case(make_case(3, fmt, 16, 2, 2))
+
+
+def test_split_rule_sees_the_gpus_sm_count():
+    """ops.cuda_sm_count() reads the SM count from JAX's device (core_count); without the attribute it would quietly
+    fall back to the H200's 132, so check the attribute is there and agrees (H100 SXM / H200: 132 SMs)."""
+    from jax_msa import ops
+
+    device = jax.devices("cuda")[0]
+    assert isinstance(getattr(device, "core_count", None), int), dir(device)
+    assert ops.cuda_sm_count() == device.core_count
+    if any(name in device.device_kind for name in ("H200", "H100 80GB HBM3")):
+        assert device.core_count == 132, device.device_kind
