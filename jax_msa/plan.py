@@ -191,6 +191,9 @@ def build_prefill_plan(topk, cu_seqlens_q, seq_lens, *, max_blocks: int, queries
     edges = t_total * k
     if max(hkv * (rows + 1), hkv * edges) >= 2**31:
         raise ValueError("plan too large for int32 indices")
+    if work_capacity(hkv, t_total, k, batch, max_blocks, queries_per_tile) >= 2**31:
+        raise ValueError("plan too large for int32 indices: the work list's capacity (Hkv * B * max_blocks + "
+                         "ceil(Hkv * total_q * K / queries_per_tile)) reaches 2^31; split the batch")
 
     if batch == 0 or t_total == 0 or k == 0 or hkv == 0:  # nothing can be selected: the empty plan of the shapes
         cap = work_capacity(hkv, t_total, k, batch, max_blocks, queries_per_tile)

@@ -613,3 +613,13 @@ def test_compiled_plan_does_not_grow_with_the_block_table_width():
     (lines_narrow, gathers_narrow), (lines_wide, gathers_wide) = compiled(64), compiled(4096)
     assert gathers_wide == gathers_narrow, (gathers_narrow, gathers_wide)
     assert lines_wide <= 1.15 * lines_narrow, (lines_narrow, lines_wide)
+
+
+def test_work_capacity_past_int32_is_refused():
+    """Each of the plan's int32 arrays fits, but the work list's capacity Hkv * B * max_blocks + ceil(Hkv * T * K / Q)
+    would pass 2^31 (32,767 requests with 8,192-block tables at Hkv = 8): refused at trace time, not wrapped."""
+    args = (jax.ShapeDtypeStruct((8, 32768, 16), jnp.int32), jax.ShapeDtypeStruct((32768,), jnp.int32),
+            jax.ShapeDtypeStruct((32767,), jnp.int32))
+    with pytest.raises(ValueError, match="work list's capacity"):
+        jax.eval_shape(lambda t, c, s: build_prefill_plan(t, c, s, max_blocks=8192), *args)
+    jax.eval_shape(lambda t, c, s: build_prefill_plan(t, c, s, max_blocks=4096), *args)  # ~2^30 + 2^19: fine
