@@ -71,6 +71,23 @@ class MsaProblem:
                     decode_query_len=self.decode_query_len, scale=self.scale)
 
 
+def cache_maker(fmt, k_scale: float = 1.0, v_scale: float = 1.0):
+    """cache_from_kv hook of make_problem for any format: the cache written by jax_msa.reference.write_kv (with the
+    scales for FP8 / NVFP4) and the float64 values a kernel sees after dequantization."""
+    import jax_msa
+    from jax_msa import KVFormat, kv_cache, reference
+
+    def make(k, v):
+        pages, hkv, _, d = k.shape
+        cache = jax_msa.allocate_cache(fmt, pages, hkv, d)
+        flat = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3).reshape(pages * PAGE, hkv, d), jnp.bfloat16)
+        scales = {} if fmt == KVFormat.BF16 else dict(k_scale=k_scale, v_scale=v_scale)
+        cache = reference.write_kv(cache, flat(k), flat(v), jnp.arange(pages * PAGE, dtype=jnp.int32), **scales)
+        k_seen, v_seen = kv_cache.dequantize_cache(cache, d, k_scale, v_scale)
+        return cache, np.asarray(k_seen, np.float64), np.asarray(v_seen, np.float64)
+    return make
+
+
 def _topk_row(rng, n_blocks, pos, topk, max_blocks, *, hole_frac, dup_frac, oob_frac, include_local):
     """One (token, KV head) row of K request-local block ids with the requested corner cases."""
     row = rng.integers(0, max(n_blocks, 1), size=topk).astype(np.int64)

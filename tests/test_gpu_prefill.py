@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 import jax_msa
-from jax_msa import KVFormat, kv_cache, reference
+from jax_msa import KVFormat, reference
+import problems
+from bitwise import assert_bitwise_equal
 from problems import brute_force_attention, corrupt_plan, make_problem
 
 pytestmark = pytest.mark.gpu
@@ -26,16 +28,8 @@ K_SCALE, V_SCALE = 0.75, 1.25
 
 
 def cache_maker(fmt):
-    """cache_from_kv hook of problems.make_problem: the cache in `fmt` and the values a kernel sees."""
-    def make(k, v):
-        pages, hkv, _, d = k.shape
-        cache = jax_msa.allocate_cache(fmt, pages, hkv, d)
-        flat = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3).reshape(pages * 128, hkv, d), jnp.bfloat16)
-        scales = {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
-        cache = reference.write_kv(cache, flat(k), flat(v), jnp.arange(pages * 128, dtype=jnp.int32), **scales)
-        k_seen, v_seen = kv_cache.dequantize_cache(cache, d, K_SCALE, V_SCALE)
-        return cache, np.asarray(k_seen, np.float64), np.asarray(v_seen, np.float64)
-    return make
+    """cache_from_kv hook of problems.make_problem: the cache in `fmt` (K_SCALE, V_SCALE) and the values a kernel sees."""
+    return problems.cache_maker(fmt, K_SCALE, V_SCALE)
 
 
 def run(problem, fmt, **kw):
@@ -98,7 +92,7 @@ def test_prefill_query_windows_match_one_call(fmt, group):
         out, lse = jax.jit(lambda q, c, t: jax_msa.sparse_attention(
             q, c, t, cu_seqlens_q=p.cu_seqlens_q, seq_lens=p.seq_lens, block_table=p.block_table, impl="kernel",
             return_lse=True, query_chunk_size=size, **scales))(p.q, p.kv_cache, p.topk)
-        np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(whole_out).view(np.uint16))
+        assert_bitwise_equal(out, whole_out)
         np.testing.assert_array_equal(np.asarray(lse, np.float64), whole_lse)  # check() gives lse as float64
 
 

@@ -27,6 +27,7 @@ pytest.importorskip("safetensors")
 from flax import nnx  # noqa: E402
 from safetensors.flax import save_file  # noqa: E402
 
+from bitwise import assert_bitwise_equal  # noqa: E402
 from jax_msa.kv_cache import PAGE_SIZE  # noqa: E402
 from jax_msa.nn import (HF_CONFIG_KEYS, M3AttentionConfig, MSAAttention, PagedBatch,  # noqa: E402
                         attention_state_dict, load_attention_weights)
@@ -276,8 +277,7 @@ def test_prefill_in_query_windows_is_bit_identical():
     whole = run_prefill(module, x, seq_lens, new_lens, block_table, kv, ic)
     module.query_chunk_size = 96
     windows = run_prefill(module, x, seq_lens, new_lens, block_table, kv, ic)
-    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(windows)):
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    assert_bitwise_equal(windows, whole)
 
 
 def test_weight_loading_round_trip(tmp_path):

@@ -15,7 +15,8 @@ import pytest
 
 import jax_msa
 from jax_msa import _ffi, _query_chunks, reference
-from problems import make_problem
+from bitwise import assert_bitwise_equal
+from problems import cache_maker, make_problem
 
 SHAPES = dict(num_q_heads=16, num_kv_heads=2, head_dim=128, topk=8)
 
@@ -33,12 +34,6 @@ def _attention(p, impl, **kw):
     return fn(p.q, p.kv_cache, p.topk)
 
 
-def _assert_bit_identical(a, b):
-    (out_a, lse_a), (out_b, lse_b) = a, b
-    np.testing.assert_array_equal(np.asarray(out_a).view(np.uint16), np.asarray(out_b).view(np.uint16))
-    np.testing.assert_array_equal(np.asarray(lse_a).view(np.uint32), np.asarray(lse_b).view(np.uint32))
-
-
 def test_windows_match_one_call_bit_for_bit():
     """The CPU handler (a kernel: every (token, block) partial and every token's merge computed on its own)."""
     p = _problem()
@@ -46,7 +41,7 @@ def test_windows_match_one_call_bit_for_bit():
     whole = _attention(p, "auto")
     assert np.isneginf(np.asarray(whole[1])).any() and np.isfinite(np.asarray(whole[1])).any()
     for size in [1, 37, 128, total_q - 1, total_q, total_q + 100]:
-        _assert_bit_identical(_attention(p, "auto", query_chunk_size=size), whole)
+        assert_bitwise_equal(_attention(p, "auto", query_chunk_size=size), whole)
 
 
 def test_reference_in_windows_matches_to_rounding():
@@ -66,15 +61,10 @@ def test_reference_in_windows_matches_to_rounding():
 
 def test_windows_in_every_cache_format():
     for fmt in [jax_msa.KVFormat.FP8, jax_msa.KVFormat.NVFP4]:
-        p = _problem(11)
-        pages, hkv = p.k.shape[:2]
-        cache = jax_msa.allocate_cache(fmt, pages, hkv, 128)
-        flat = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3).reshape(pages * 128, hkv, 128), jnp.bfloat16)
-        cache = reference.write_kv(cache, flat(p.k), flat(p.v), jnp.arange(pages * 128, dtype=jnp.int32),
-                                   k_scale=0.5, v_scale=2.0)
-        fn = lambda **kw: jax.jit(lambda q, c, t: jax_msa.sparse_attention(
-            q, c, t, return_lse=True, k_scale=0.5, v_scale=2.0, **p.prefill_kwargs(), **kw))(p.q, cache, p.topk)
-        _assert_bit_identical(fn(query_chunk_size=100), fn())
+        p = make_problem(11, q_lens=[1, 127, 0, 40, 129, 150], seq_lens=[5, 127, 260, 20, 400, 1000], pad_tokens=5,
+                         cache_from_kv=cache_maker(fmt, 0.5, 2.0), **SHAPES)
+        fn = lambda **kw: _attention(p, "auto", k_scale=0.5, v_scale=2.0, **kw)
+        assert_bitwise_equal(fn(query_chunk_size=100), fn())
 
 
 def test_window_batch_keeps_every_token_position():
