@@ -323,29 +323,31 @@ __device__ __forceinline__ void issue_scores(const SharedStorage::Stage& sg, int
 // The softmax of this thread's two rows over the block, in place: S -> exp2(S scale_log2 - m) (fp32), m the row max in
 // log2 units (-inf for a row that sees nothing) and l this lane's share of the row sum. Element 4 j + e of a half: row
 // (e / 2) of the pair, key 64 h + 8 j + c2 + e % 2 (the m64nNk16 accumulator layout).
-// Two paths, chosen per warp: when every row of the warp sees the whole block (not on a request's diagonal or last
-// block, no row past the tile's tokens, a valid page) and the scale is positive, no mask, the max over the raw scores
-// and the scale folded into one FFMA a score; otherwise each score is scaled, then masked (key < the row's visible
-// keys: keys nobody sees hold whatever the stage's K tile held, possibly the page's non-finite bytes past the
-// request).
+// One arithmetic for every row, whatever its warp-mates see (a row's bits must not depend on which other tokens share
+// its warp: G = 8 puts two tokens in a warp, and the tokens of a tile follow from the batch). With a positive scale
+// (monotone rounding: max_i fl(S_i scale) = fl(max_i S_i scale)) keys a row does not see are set to -inf, the max is
+// taken over the raw scores and the scale goes into one FFMA a score; a warp whose rows all see the whole block (not
+// on a request's diagonal or last block, no row past the tile's tokens, a valid page) skips the selects, which would
+// keep every score. Otherwise (a non-positive scale, a whole call's choice) each score is scaled, then masked. Masked
+// keys hold whatever the stage's K tile held, possibly the page's non-finite bytes past the request: the select
+// drops them.
 template <class TS>
 __device__ __forceinline__ void softmax_in_place(const ItemRows& it, int c2, float scale_log2, TS& tSrS0, TS& tSrS1,
                                                  float (&m)[2], float (&l)[2]) {
-  const bool whole =
-      scale_log2 > 0.0f && __all_sync(0xffffffffu, it.vis[0] == kBlockKeys && it.vis[1] == kBlockKeys);
-  float scale = 1.0f;  // what the max is multiplied by, and the scores in the exponent's FFMA
-  if (!whole) {
+  const bool positive = scale_log2 > 0.0f;
+  const bool whole = __all_sync(0xffffffffu, it.vis[0] == kBlockKeys && it.vis[1] == kBlockKeys);
+  const float scale = positive ? scale_log2 : 1.0f;  // what the max is multiplied by, and the scores in the FFMA
+  if (!whole || !positive) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       TS& tSrS = h == 0 ? tSrS0 : tSrS1;
 #pragma unroll
       for (int i = 0; i < 32; ++i) {  // i = 4 j + e
         const int key = h * kHalfKeys + 8 * (i >> 2) + c2 + (i & 1);
-        tSrS(i) = key < it.vis[(i >> 1) & 1] ? tSrS(i) * scale_log2 : -INFINITY;
+        const float s = positive ? tSrS(i) : tSrS(i) * scale_log2;
+        tSrS(i) = key < it.vis[(i >> 1) & 1] ? s : -INFINITY;
       }
     }
-  } else {
-    scale = scale_log2;
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
