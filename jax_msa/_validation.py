@@ -133,6 +133,21 @@ def check_decode(q, kv_cache, topk, seq_lens, block_table, decode_query_len, **s
     return AttentionConfig(batch=batch, max_blocks=max_blocks, **base)
 
 
+MAX_DECODE_SPLITS = 32  # the CUDA decode merges at most 32 split-K partials a row (cc/sm80/decode)
+
+
+def check_num_splits(num_splits) -> int | None:
+    """sparse_decode's num_splits: None (the split rule) or a static int in [1, MAX_DECODE_SPLITS]."""
+    if num_splits is None:
+        return None
+    what = f"num_splits must be None (the split rule) or a static int in [1, {MAX_DECODE_SPLITS}]; got {num_splits!r}"
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(what)
+    if not 1 <= num_splits <= MAX_DECODE_SPLITS:
+        raise ValueError(what)
+    return int(num_splits)
+
+
 def check_plan(plan, cfg: AttentionConfig) -> None:
     from jax_msa.plan import PrefillPlan
 

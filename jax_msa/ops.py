@@ -202,11 +202,20 @@ def decode_num_splits(cfg, q_len: int, num_sms: int | None = None) -> int:
 
 @_explained_sharding_errors("sparse_decode")
 def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=1, scale=None, return_lse=False,
-                  impl="auto", k_scale=None, v_scale=None, q_scale=None):
+                  impl="auto", k_scale=None, v_scale=None, q_scale=None, num_splits: int | None = None):
     """MSA decode (speculative tokens: decode_query_len > 1). q [B * decode_query_len, Hq, D];
-    topk [Hkv, B * decode_query_len, K]. Token i of request b sits at seq_len_b - decode_query_len + i."""
+    topk [Hkv, B * decode_query_len, K]. Token i of request b sits at seq_len_b - decode_query_len + i.
+
+    num_splits (static int in [1, 32], at most K used): the CUDA kernel's split-K factor. By default
+    (None) decode_num_splits' rule picks the fastest for the call, from the batch size, the top-k and the GPU's SM
+    count, so one request's output bits can differ between batch sizes (and between a sharded and an unsharded
+    step, or under vmap, which folds into the batch). A fixed num_splits makes each token's result independent of
+    the rest of the batch (batch invariance), at the rule's speed only where it agrees. The CPU handler and the jnp
+    reference ignore it (they do not split).
+    """
     cfg = _validation.check_decode(q, kv_cache, topk, seq_lens, block_table, decode_query_len,
                                    q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+    fixed_splits = _validation.check_num_splits(num_splits)
     decode_query_len = int(decode_query_len)  # a numpy integer is taken too
     softmax_scale = _validation.static_softmax_scale(scale, cfg.head_dim)
     scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
@@ -225,7 +234,8 @@ def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=
 
     kernels = {"cpu": make_kernel(0)}
     if _cuda_decode_supported(cfg, decode_query_len):
-        kernels["cuda"] = make_kernel(decode_num_splits(cfg, decode_query_len))
+        splits = decode_num_splits(cfg, decode_query_len) if fixed_splits is None else min(fixed_splits, cfg.topk)
+        kernels["cuda"] = make_kernel(splits)
     out, lse = _dispatch("sparse_decode", impl, kernels, ref, q, kv_cache, topk, seq_lens, block_table, scales)
     return (out, lse) if return_lse else out
 

@@ -117,10 +117,13 @@ def _shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs):
 
 
 def sharded_sparse_decode(mesh: Mesh, *, data_axis: str | None = "data", model_axis: str | None = "model",
-                          decode_query_len: int = 1, scale=None, return_lse: bool = False, impl: str = "auto"
-                          ) -> Callable:
+                          decode_query_len: int = 1, scale=None, return_lse: bool = False, impl: str = "auto",
+                          num_splits: int | None = None) -> Callable:
     """Returns decode(q, kv_cache, topk, seq_lens, block_table, *, k_scale=None, v_scale=None,
-    q_scale=None) -> out (or (out, lse)): jax_msa.sparse_decode run per shard of the serving layout."""
+    q_scale=None) -> out (or (out, lse)): jax_msa.sparse_decode run per shard of the serving layout. Each shard
+    decodes B/d requests, so the split rule may pick another factor than an unsharded step: num_splits fixes it
+    (sparse_decode's num_splits; the same bits on any mesh)."""
+    _validation.check_num_splits(num_splits)
     specs = ServingSpecs(data_axis, model_axis)
     d, m = _axis_size(mesh, data_axis), _axis_size(mesh, model_axis)
 
@@ -136,7 +139,7 @@ def sharded_sparse_decode(mesh: Mesh, *, data_axis: str | None = "data", model_a
         def local(q, kv_cache, topk, seq_lens, block_table, scales):
             out, lse = ops.sparse_decode(q, kv_cache, topk, seq_lens=seq_lens, block_table=block_table,
                                          decode_query_len=decode_query_len, scale=scale, return_lse=True,
-                                         impl=impl, **scales)
+                                         impl=impl, num_splits=num_splits, **scales)
             return out, lse
 
         out, lse = _shard_map(local, mesh,

@@ -42,3 +42,73 @@ def test_decode_splits_follow_the_sm_count():
     assert ops.decode_num_splits(cfg, 1) == 2
     assert ops.decode_num_splits(cfg, 1, num_sms=114) == 1
     assert ops.decode_num_splits(_cfg(KVFormat.FP8, 32, 1), 1, num_sms=114) == 7
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sparse_decode(num_splits=n): a fixed factor instead of the rule (batch invariance)
+# ---------------------------------------------------------------------------------------------------------
+
+def _decode_problem():
+    from problems import make_decode_problem
+    return make_decode_problem(31, seq_lens=[300, 129, 5], num_q_heads=16, num_kv_heads=2, topk=8)
+
+
+def _decode_call_results(text):
+    """The result types of every decode custom call in a lowered module's text."""
+    import re
+    from jax_msa import _ffi
+    return [re.findall(r"tensor<([^>]*)>", line.split("->")[-1]) for line in text.splitlines()
+            if re.search(rf"custom_call\s*@{_ffi.TARGET_DECODE}\b", line)]
+
+
+@pytest.mark.parametrize("num_splits, want", [(None, 8), (1, 1), (3, 3), (32, 8)])
+def test_fixed_num_splits_shapes_the_cuda_workspace(num_splits, want):
+    """The CUDA lowering's split-K workspace has num_splits partial sets (capped at K = 8; None: the rule, here K
+    since 6 pairs leave room for 22 CTAs each); one split writes the output directly (no workspace)."""
+    import jax
+    import jax_msa
+    from jax_msa import _ffi
+
+    if _ffi.TARGET_DECODE not in _ffi.cuda_targets():
+        pytest.skip("built without the CUDA decode handler")
+    p = _decode_problem()
+
+    def fn(q, c, t):
+        return jax_msa.sparse_decode(q, c, t, seq_lens=p.seq_lens, block_table=p.block_table, num_splits=num_splits)
+
+    text = jax.jit(fn).trace(p.q, p.kv_cache, p.topk).lower(lowering_platforms=("cuda",)).as_text()
+    (results,) = _decode_call_results(text)
+    t, hq = p.q.shape[:2]
+    if want == 1:
+        assert results[2:] == ["0xf32", "0xf32"], results
+    else:
+        assert results[2:] == [f"{want}x{t}x{hq}x128xf32", f"{want}x{t}x{hq}xf32"], results
+
+
+def test_fixed_num_splits_leaves_the_cpu_result_alone():
+    import jax_msa
+    import numpy as np
+
+    p = _decode_problem()
+    args = dict(seq_lens=p.seq_lens, block_table=p.block_table, return_lse=True, impl="kernel")
+    base = jax_msa.sparse_decode(p.q, p.kv_cache, p.topk, **args)
+    for n in (1, 5):
+        got = jax_msa.sparse_decode(p.q, p.kv_cache, p.topk, num_splits=n, **args)
+        for a, b in zip(got, base):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_bad_num_splits_are_refused():
+    import jax
+    import jax_msa
+    from jax_msa import sharding
+
+    p = _decode_problem()
+    for bad, err in [(0, ValueError), (33, ValueError), (-1, ValueError), (2.0, TypeError), ("4", TypeError),
+                     (True, TypeError)]:
+        with pytest.raises(err, match="num_splits"):
+            jax_msa.sparse_decode(p.q, p.kv_cache, p.topk, seq_lens=p.seq_lens, block_table=p.block_table,
+                                  num_splits=bad)
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+    with pytest.raises(ValueError, match="num_splits"):
+        sharding.sharded_sparse_decode(mesh, data_axis="data", model_axis=None, num_splits=0)

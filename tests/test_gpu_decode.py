@@ -138,15 +138,16 @@ def numpy_decode(case, bf16):
     return out, lse
 
 
-def run_kernel(case):
-    """The kernel under jit; decode_query_len is static."""
+def run_kernel(case, **static):
+    """The kernel under jit; decode_query_len (and `static`, e.g. num_splits) are static."""
     arrays = {k: v for k, v in case.items() if k != "decode_query_len"}
     ql = case["decode_query_len"]
-    return jax.jit(lambda c: jax_msa.sparse_decode(**c, decode_query_len=ql, return_lse=True, impl="kernel"))(arrays)
+    return jax.jit(lambda c: jax_msa.sparse_decode(**c, decode_query_len=ql, return_lse=True, impl="kernel",
+                                                   **static))(arrays)
 
 
-def check_case(case):
-    out, lse = run_kernel(case)
+def check_case(case, **static):
+    out, lse = run_kernel(case, **static)
     o = np.asarray(out, np.float32)
     lse = np.asarray(lse)
     assert not np.isnan(o).any(), "unwritten (NaN-poisoned) or NaN outputs"
@@ -309,6 +310,30 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, batch, q_len, splits, 
     (out_c, lse_c), (out_k, lse_k) = paths["cluster"][0], paths["combine_kernel"][0]
     np.testing.assert_array_equal(np.asarray(out_c, np.float32), np.asarray(out_k, np.float32))
     np.testing.assert_array_equal(np.asarray(lse_c), np.asarray(lse_k))
+
+
+def _requests(case, first, end):
+    """Requests [first, end) of a decode case as a batch of their own (same cache)."""
+    ql = case["decode_query_len"]
+    rows = slice(first * ql, end * ql)
+    return {**case, "q": case["q"][rows], "topk": case["topk"][:, rows], "seq_lens": case["seq_lens"][first:end],
+            "block_table": case["block_table"][first:end]}
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("splits", [1, 3, 16])
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_decode_fixed_num_splits_is_batch_invariant(fmt, splits):
+    """sparse_decode(num_splits=n): a request's outputs are bit for bit the same in a batch of 33, alone, and in a
+    batch of 7 (sizes for which the split rule picks other factors: bf16 1 / 16 / 4, FP8 and NVFP4 2 / 16 / 9); the
+    batch of 33 meets the oracle bound."""
+    case = make_case(700 + 10 * int(fmt) + splits, fmt, 16, 2, 33)
+    whole_out, whole_lse = check_case(case, num_splits=splits)
+    for first, end in ((0, 1), (20, 27), (32, 33)):
+        out, lse = run_kernel(_requests(case, first, end), num_splits=splits)
+        rows = slice(first * 2, end * 2)
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(whole_out[rows]).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(whole_lse[rows]))
 
 
 @pytest.mark.sanitize

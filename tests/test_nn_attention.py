@@ -27,6 +27,7 @@ pytest.importorskip("safetensors")
 from flax import nnx  # noqa: E402
 from safetensors.flax import save_file  # noqa: E402
 
+import jax_msa  # noqa: E402
 from bitwise import assert_bitwise_equal  # noqa: E402
 from jax_msa.kv_cache import PAGE_SIZE  # noqa: E402
 from jax_msa.nn import (HF_CONFIG_KEYS, M3AttentionConfig, MSAAttention, PagedBatch,  # noqa: E402
@@ -278,6 +279,26 @@ def test_prefill_in_query_windows_is_bit_identical():
     module.query_chunk_size = 96
     windows = run_prefill(module, x, seq_lens, new_lens, block_table, kv, ic)
     assert_bitwise_equal(windows, whole)
+
+
+def test_decode_num_splits_reaches_sparse_decode(monkeypatch):
+    """MSAAttention(decode_num_splits=n) hands n to jax_msa.sparse_decode (its split-K factor; None: the rule)."""
+    seen = []
+    real = jax_msa.sparse_decode
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("num_splits", "absent"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax_msa, "sparse_decode", spy)
+    kv, ic = poisoned_caches(4, False)
+    batch = PagedBatch.decode(jnp.asarray([130, 5], jnp.int32), jnp.asarray([[0, 1], [2, 3]], jnp.int32))
+    x = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
+    for n in (None, 3):
+        module = layer(False)
+        module.decode_num_splits = n
+        module(x, kv, ic, batch)
+    assert seen == [None, 3], seen
 
 
 def test_weight_loading_round_trip(tmp_path):

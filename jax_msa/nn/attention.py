@@ -38,15 +38,19 @@ class MSAAttention(nnx.Module):
     ``param_dtype``: the weights' dtype (bf16 as served). ``impl`` is passed to the jax_msa ops
     (``"auto"``: the platform's kernel where there is one, else the jnp reference). ``query_chunk_size``: a
     prefill step runs its tokens in windows of at most that many (``jax_msa.sparse_attention``), which bounds the
-    attention's partial workspace (None: one window)."""
+    attention's partial workspace (None: one window). ``decode_num_splits``: a decode step's split-K factor
+    (``jax_msa.sparse_decode``'s ``num_splits``; None: the split rule), fixed for outputs that do not depend on the
+    batch."""
 
     def __init__(self, config: M3AttentionConfig, *, dense: bool = False, rngs: nnx.Rngs,
-                 param_dtype=jnp.bfloat16, impl: str = "auto", query_chunk_size: int | None = None):
+                 param_dtype=jnp.bfloat16, impl: str = "auto", query_chunk_size: int | None = None,
+                 decode_num_splits: int | None = None):
         c = config
         self.config = c
         self.dense = dense
         self.impl = impl
         self.query_chunk_size = query_chunk_size
+        self.decode_num_splits = decode_num_splits
         self.q_proj = _linear(c.hidden_size, c.num_q_heads * c.head_dim, param_dtype, rngs)
         self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, param_dtype, rngs)
         self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, param_dtype, rngs)
@@ -109,7 +113,8 @@ class MSAAttention(nnx.Module):
             common = dict(seq_lens=batch.seq_lens, block_table=batch.block_table, scale=c.softmax_scale,
                           impl=self.impl)
             if batch.is_decode:
-                out = jax_msa.sparse_decode(q, kv_cache, topk, decode_query_len=batch.decode_query_len, **common)
+                out = jax_msa.sparse_decode(q, kv_cache, topk, decode_query_len=batch.decode_query_len,
+                                            num_splits=self.decode_num_splits, **common)
             else:
                 out = jax_msa.sparse_attention(q, kv_cache, topk, cu_seqlens_q=batch.cu_seqlens_q,
                                                query_chunk_size=self.query_chunk_size, **common)
