@@ -122,7 +122,7 @@ def sharded_sparse_decode(mesh: Mesh, *, data_axis: str | None = "data", model_a
     """Returns decode(q, kv_cache, topk, seq_lens, block_table, *, k_scale=None, v_scale=None,
     q_scale=None) -> out (or (out, lse)): jax_msa.sparse_decode run per shard of the serving layout. Each shard
     decodes B/d requests, so the split rule may pick another factor than an unsharded step: num_splits fixes it
-    (sparse_decode's num_splits; the same bits on any mesh)."""
+    (sparse_decode's num_splits; the same bits on any mesh, within the kernel's limits)."""
     _validation.check_num_splits(num_splits)
     specs = ServingSpecs(data_axis, model_axis)
     d, m = _axis_size(mesh, data_axis), _axis_size(mesh, model_axis)

@@ -85,19 +85,6 @@ def test_fixed_num_splits_shapes_the_cuda_workspace(num_splits, want):
         assert results[2:] == [f"{want}x{t}x{hq}x128xf32", f"{want}x{t}x{hq}xf32"], results
 
 
-def test_fixed_num_splits_leaves_the_cpu_result_alone():
-    import jax_msa
-    import numpy as np
-
-    p = _decode_problem()
-    args = dict(seq_lens=p.seq_lens, block_table=p.block_table, return_lse=True, impl="kernel")
-    base = jax_msa.sparse_decode(p.q, p.kv_cache, p.topk, **args)
-    for n in (1, 5):
-        got = jax_msa.sparse_decode(p.q, p.kv_cache, p.topk, num_splits=n, **args)
-        for a, b in zip(got, base):
-            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 def test_bad_num_splits_are_refused():
     import jax
     import jax_msa

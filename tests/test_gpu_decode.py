@@ -327,6 +327,12 @@ def test_decode_fixed_num_splits_is_batch_invariant(fmt, splits):
     """sparse_decode(num_splits=n): a request's outputs are bit for bit the same in a batch of 33, alone, and in a
     batch of 7 (sizes for which the split rule picks other factors: bf16 1 / 16 / 4, FP8 and NVFP4 2 / 16 / 9); the
     batch of 33 meets the oracle bound."""
+    import types
+    from jax_msa import ops
+
+    rule = {b: ops.decode_num_splits(types.SimpleNamespace(kv_format=fmt, batch=b, num_kv_heads=HKV, topk=K), 2)
+            for b in (33, 1, 7)}
+    assert len(set(rule.values())) > 1, rule  # else the batches would agree without num_splits
     case = make_case(700 + 10 * int(fmt) + splits, fmt, 16, 2, 33)
     whole_out, whole_lse = check_case(case, num_splits=splits)
     for first, end in ((0, 1), (20, 27), (32, 33)):

@@ -295,10 +295,10 @@ def test_decode_num_splits_reaches_sparse_decode(monkeypatch):
     batch = PagedBatch.decode(jnp.asarray([130, 5], jnp.int32), jnp.asarray([[0, 1], [2, 3]], jnp.int32))
     x = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
     for n in (None, 3):
-        module = layer(False)
-        module.decode_num_splits = n
-        module(x, kv, ic, batch)
+        MSAAttention(CFG, rngs=nnx.Rngs(0), decode_num_splits=n)(x, kv, ic, batch)
     assert seen == [None, 3], seen
+    with pytest.raises(ValueError, match="num_splits"):  # refused when the layer is built, not at its first step
+        MSAAttention(CFG, rngs=nnx.Rngs(0), decode_num_splits=0)
 
 
 def test_weight_loading_round_trip(tmp_path):

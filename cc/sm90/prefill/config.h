@@ -28,7 +28,8 @@
 //              ex2.approx; keys a row does not see (diagonal and last blocks, rows past the tile's tokens, invalid
 //              pages) set to -inf by a select (skipped by a warp whose rows all see the whole block), the max over
 //              the raw scores and the scale in one FFMA a score, the same arithmetic for every row whatever its
-//              warp-mates see (batch invariance: G = 8 puts two tokens in a warp)
+//              warp-mates see (batch invariance: G = 8 puts two tokens in a warp); a non-positive scale (the whole
+//              call's) scales each score, then masks
 //   output   : one normalized bf16 partial (and its lse) per (query, selected block) at the plan's rank slot, as the
 //              warp-MMA kernel writes them; the warp-MMA combine (sm80/prefill/combine_partials.cu) merges them.
 //              Build-time experiment (kBulkPartialStores, off; bf16): rows staged in shared memory, one bulk copy a
