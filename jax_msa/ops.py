@@ -209,7 +209,7 @@ def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=
     num_splits (static int in [1, 32], at most K used): the CUDA kernel's split-K factor. By default
     (None) decode_num_splits' rule picks the fastest for the call, from the batch size, the top-k and the GPU's SM
     count, so one request's output bits can differ between batch sizes (and between a sharded and an unsharded
-    step, or under vmap, which folds into the batch). A fixed num_splits makes each token's result independent of
+    step; vmap's fold keeps the unbatched call's factor). A fixed num_splits makes each token's result independent of
     the rest of the batch (batch invariance), at the rule's speed only where it agrees. The CPU handler and the jnp
     reference ignore it (they do not split).
     """
