@@ -96,6 +96,35 @@ def test_prefill_query_windows_match_one_call(fmt, group):
         np.testing.assert_array_equal(np.asarray(lse, np.float64), whole_lse)  # check() gives lse as float64
 
 
+@pytest.mark.parametrize("group", [8, 16])
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
+def test_prefill_request_alone_matches_its_batch(fmt, group):
+    """Batch invariance across requests: each request run as a batch of its own (its own plan, work order and CTA
+    assignment; same cache) gives the batch's bits for its tokens. (Tiles never mix requests; the query-window
+    test above changes which tokens of one request share a tile.)"""
+    p = make_problem(400 + 10 * int(fmt) + group, q_lens=[1, 127, 129, 1000, 300],
+                     seq_lens=[1, 127, 129, 1000, 4097], num_q_heads=2 * group, num_kv_heads=2, topk=16,
+                     pad_tokens=3, cache_from_kv=cache_maker(fmt))
+    scales = {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
+
+    def call(q, topk, cu, seq, bt):
+        fn = jax.jit(lambda q, c, t: jax_msa.sparse_attention(
+            q, c, t, cu_seqlens_q=cu, seq_lens=seq, block_table=bt, impl="kernel", return_lse=True, **scales))
+        return fn(q, p.kv_cache, topk)
+
+    whole_out, whole_lse = call(p.q, p.topk, p.cu_seqlens_q, p.seq_lens, p.block_table)
+    cu = np.asarray(p.cu_seqlens_q)
+    real = slice(0, int(cu[-1]))  # NaN-poisoned outputs would compare equal bit for bit: none may be left
+    assert not np.isnan(np.asarray(whole_out[real], np.float32)).any()
+    assert not np.isnan(np.asarray(whole_lse[real])).any()
+    for b in (1, 3, 4):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        out, lse = call(p.q[rows], p.topk[:, rows], jnp.asarray([0, cu[b + 1] - cu[b]], jnp.int32),
+                        p.seq_lens[b:b + 1], p.block_table[b:b + 1])
+        assert_bitwise_equal(out, whole_out[rows])
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(whole_lse[rows]))
+
+
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
 def test_prefill_long_request(fmt):
     p = make_problem(7 + int(fmt), q_lens=[4097], seq_lens=[4097], num_q_heads=16, num_kv_heads=1, topk=16,
