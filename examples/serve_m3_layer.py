@@ -54,11 +54,11 @@ class PageAllocator:
 
 class M3AttentionStack(nnx.Module):
     def __init__(self, config: M3AttentionConfig, num_layers: int, vocab: int, *, rngs: nnx.Rngs,
-                 query_chunk_size: int | None = None):
+                 query_chunk_size: int | None = None, decode_num_splits: int | None = None):
         self.config = config
         self.embed = nnx.Param(jax.random.normal(rngs.params(), (vocab, config.hidden_size), jnp.bfloat16))
         self.layers = nnx.List([MSAAttention(config, dense=config.is_dense_layer(i), rngs=rngs,
-                                             query_chunk_size=query_chunk_size)
+                                             query_chunk_size=query_chunk_size, decode_num_splits=decode_num_splits)
                                 for i in range(num_layers)])
 
     def __call__(self, tokens, caches, batch: PagedBatch):
@@ -92,6 +92,8 @@ def main():
                                           "1000,3000,5000 otherwise)")
     parser.add_argument("--query-chunk", type=int, help="prefill attention in windows of at most this many tokens "
                                                            "(bounds its partial workspace; results unchanged)")
+    parser.add_argument("--decode-splits", type=int, help="fixed split-K factor of the CUDA decode (batch-invariant "
+                                                          "outputs; default: the split rule)")
     args = parser.parse_args()
     if args.small:
         cfg = M3AttentionConfig(hidden_size=512, num_q_heads=16, num_kv_heads=1, num_index_heads=1, topk=4,
@@ -111,7 +113,8 @@ def main():
           f"hidden {cfg.hidden_size}, heads {cfg.num_q_heads}/{cfg.num_kv_heads} x {cfg.head_dim}, index "
           f"{cfg.num_index_heads} x {cfg.index_head_dim}, top-{cfg.topk}; prompts {prompts}; {num_pages} pages")
 
-    model = M3AttentionStack(cfg, num_layers, vocab, rngs=nnx.Rngs(0), query_chunk_size=args.query_chunk)
+    model = M3AttentionStack(cfg, num_layers, vocab, rngs=nnx.Rngs(0), query_chunk_size=args.query_chunk,
+                              decode_num_splits=args.decode_splits)
     graphdef, state = nnx.split(model)
     caches = [(jax_msa.allocate_cache(jax_msa.KVFormat.BF16, num_pages, cfg.num_kv_heads, cfg.head_dim),
                None if layer.dense else allocate_index_cache(num_pages, cfg.index_head_dim))
