@@ -73,7 +73,7 @@ def make_inputs(rng, fmt, hq, hkv, batch, context, q_len, rotations, pool_pages)
     return q, cache, topks, jnp.asarray(seq), jnp.asarray(block_table)
 
 
-def bench_case(fmt, hq, hkv, batch, context, q_len, repeats, pool_gb=8.0):
+def bench_case(fmt, hq, hkv, batch, context, q_len, repeats, pool_gb=8.0, splits=None):
     rng = np.random.default_rng(0)
     per_call = batch * q_len * hkv * K * block_bytes(fmt)
     rotations = int(min(64, max(8, math.ceil(200e6 / per_call))))
@@ -85,7 +85,7 @@ def bench_case(fmt, hq, hkv, batch, context, q_len, repeats, pool_gb=8.0):
     @jax.jit
     def run(q, cache, topks, seq, bt):
         outs = [jax_msa.sparse_decode(q, cache, topk, seq_lens=seq, block_table=bt, decode_query_len=q_len,
-                                      impl="kernel", **scales) for topk in topks]
+                                      impl="kernel", num_splits=splits, **scales) for topk in topks]
         return outs
 
     med, p10, p90 = median_p10_p90(run, (q, cache, topks, seq, bt), repeats)
@@ -124,11 +124,10 @@ def main():
     ap.add_argument("--pool-gb", type=float, default=8.0,
                     help="size of the page pool the block tables draw from (GB; the spread of the reads)")
     ap.add_argument("--splits", type=int,
-                    help="force the CUDA decode's split-K factor (default: jax_msa.ops.decode_num_splits' rule)")
+                    help="the CUDA decode's split-K factor (sparse_decode's num_splits; default: the split rule)")
     args = ap.parse_args()
-    if args.splits:  # sparse_decode looks the rule up at trace time
-        jax_msa.ops.decode_num_splits = lambda cfg, q_len: args.splits
-    print(f"devices: {jax.devices()}  jax_msa CUDA: {jax_msa.cuda_available()} archs {jax_msa.cuda_archs()}")
+    print(f"devices: {jax.devices()} ({jax.devices()[0].device_kind}; fractions are of the H200's 4.3 TB/s, see "
+          f"ceilings.py)  jax_msa CUDA: {jax_msa.cuda_available()} archs {jax_msa.cuda_archs()}")
     heads = [(64, 4), (16, 1)]
     batches = [1, 32, 256]
     contexts = [32768, 131072]
@@ -141,6 +140,8 @@ def main():
     if args.batch:
         batches = [args.batch]
     if args.context:
+        if args.context < (K + 1) * 128:  # the local block plus K - 1 distinct earlier ones
+            raise SystemExit(f"--context must be at least {(K + 1) * 128} tokens (top-{K} of earlier blocks)")
         contexts = [args.context]
     if args.q_len:
         q_lens = [args.q_len]
@@ -158,7 +159,7 @@ def main():
                 dense = dense_cache[(hq, hkv, batch, context)]
                 for q_len in q_lens:
                     for fmt in fmts:
-                        r = bench_case(fmt, hq, hkv, batch, context, q_len, args.repeats, args.pool_gb)
+                        r = bench_case(fmt, hq, hkv, batch, context, q_len, args.repeats, args.pool_gb, args.splits)
                         speedup = f"{dense / r['us']:.1f}x" if (dense and q_len == 1) else "-"
                         row = (f"| {hq}/{hkv} | {batch} | {context // 1024}k | {q_len} | {fmt.name} | "
                                f"{r['us']:.1f} | {r['p10']:.1f}-{r['p90']:.1f} | {r['bytes'] / 1e6:.2f} | "

@@ -159,7 +159,8 @@ def main():
     saved_partial_order = os.environ.get("JAX_MSA_PARTIAL_FRAGMENT_ORDER")  # --partial-order changes it per row
     tokens = a.tokens or ([32768] if a.quick else [8192, 32768, 131072])
     heads = [tuple(int(x) for x in h.split("/")) for h in (a.heads or ["64/4", "16/1"])]
-    print(f"devices {jax.devices()}  CUDA targets {sorted(jax_msa._ffi.cuda_targets())}")
+    print(f"devices {jax.devices()} ({jax.devices()[0].device_kind}; fractions are of the H200's 790 TFLOP/s, "
+          f"see ceilings.py)  CUDA targets {sorted(jax_msa._ffi.cuda_targets())}")
     print("| N | heads | KV | plan ms (p10-p90) | kernels ms (p10-p90) | useful TFLOP/s | of 790 | plan / kernels "
           "| XLA temp GB | dense cuDNN ms | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
