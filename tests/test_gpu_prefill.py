@@ -32,8 +32,13 @@ def cache_maker(fmt):
     return problems.cache_maker(fmt, K_SCALE, V_SCALE)
 
 
+def kernel_scales(fmt):
+    """The k_scale / v_scale arguments of a `fmt` cache made by cache_maker (none for bf16)."""
+    return {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
+
+
 def run(problem, fmt, **kw):
-    scales = {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    scales = kernel_scales(fmt)
     args = dict(cu_seqlens_q=problem.cu_seqlens_q, seq_lens=problem.seq_lens, block_table=problem.block_table,
                 **scales, **kw)
     kernel = jax.jit(lambda q, c, t, a: jax_msa.sparse_attention(q, c, t, impl="kernel", return_lse=True, **a))
@@ -87,7 +92,7 @@ def test_prefill_query_windows_match_one_call(fmt, group):
                      seq_lens=[1, 127, 129, 1000, 4097], num_q_heads=2 * group, num_kv_heads=2, topk=16,
                      pad_tokens=3, cache_from_kv=cache_maker(fmt))
     whole_out, whole_lse = check(p, fmt)
-    scales = {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    scales = kernel_scales(fmt)
     for size in (300, 1000, 129):
         out, lse = jax.jit(lambda q, c, t: jax_msa.sparse_attention(
             q, c, t, cu_seqlens_q=p.cu_seqlens_q, seq_lens=p.seq_lens, block_table=p.block_table, impl="kernel",
@@ -105,7 +110,7 @@ def test_prefill_request_alone_matches_its_batch(fmt, group):
     p = make_problem(400 + 10 * int(fmt) + group, q_lens=[1, 127, 129, 1000, 300],
                      seq_lens=[1, 127, 129, 1000, 4097], num_q_heads=2 * group, num_kv_heads=2, topk=16,
                      pad_tokens=3, cache_from_kv=cache_maker(fmt))
-    scales = {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    scales = kernel_scales(fmt)
 
     def call(q, topk, cu, seq, bt):
         fn = jax.jit(lambda q, c, t: jax_msa.sparse_attention(
@@ -121,8 +126,7 @@ def test_prefill_request_alone_matches_its_batch(fmt, group):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         out, lse = call(p.q[rows], p.topk[:, rows], jnp.asarray([0, cu[b + 1] - cu[b]], jnp.int32),
                         p.seq_lens[b:b + 1], p.block_table[b:b + 1])
-        assert_bitwise_equal(out, whole_out[rows])
-        np.testing.assert_array_equal(np.asarray(lse), np.asarray(whole_lse[rows]))
+        assert_bitwise_equal((out, lse), (whole_out[rows], whole_lse[rows]))
 
 
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
@@ -249,7 +253,7 @@ def test_prefill_corrupt_plan_for_sanitizer(fmt, group):
     call completes; its results are garbage and not checked. The problem's own plan afterwards still checks out."""
     p = make_problem(31, q_lens=[5, 130], seq_lens=[300, 130], num_q_heads=group, num_kv_heads=1, topk=8,
                      pad_tokens=2, cache_from_kv=cache_maker(fmt))
-    scales = {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    scales = kernel_scales(fmt)
     args = dict(cu_seqlens_q=p.cu_seqlens_q, seq_lens=p.seq_lens, block_table=p.block_table, **scales)
     plan = jax_msa.build_prefill_plan(p.topk, p.cu_seqlens_q, p.seq_lens, max_blocks=p.block_table.shape[1],
                                       queries_per_tile=8)

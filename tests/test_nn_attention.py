@@ -279,6 +279,8 @@ def test_prefill_in_query_windows_is_bit_identical():
     module.query_chunk_size = 96
     windows = run_prefill(module, x, seq_lens, new_lens, block_table, kv, ic)
     assert_bitwise_equal(windows, whole)
+    with pytest.raises(ValueError, match="query_chunk_size"):  # refused when the layer is built
+        MSAAttention(CFG, rngs=nnx.Rngs(0), query_chunk_size=0)
 
 
 def test_decode_num_splits_reaches_sparse_decode(monkeypatch):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jax_msa
-from jax_msa import _validation
+from jax_msa import _query_chunks, _validation
 from jax_msa.nn.batch import PagedBatch
 from jax_msa.nn.config import M3AttentionConfig
 from jax_msa.nn.dense_attention import dense_paged_attention
@@ -50,7 +50,7 @@ class MSAAttention(nnx.Module):
         self.config = c
         self.dense = dense
         self.impl = impl
-        self.query_chunk_size = query_chunk_size
+        self.query_chunk_size = _query_chunks.check_chunk_size(query_chunk_size)
         self.decode_num_splits = _validation.check_num_splits(decode_num_splits)
         self.q_proj = _linear(c.hidden_size, c.num_q_heads * c.head_dim, param_dtype, rngs)
         self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, param_dtype, rngs)
