@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jax_msa
-from jax_msa import KVFormat, reference
+from jax_msa import KVFormat
 from bitwise import assert_bitwise_equal
 
 pytestmark = pytest.mark.gpu

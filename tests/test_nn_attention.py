@@ -234,7 +234,7 @@ def test_prefill_then_decode_equals_one_prefill(dense):
     _, kv, ic, _ = run_prefill(module, jnp.asarray(np.concatenate([x[:p] for x, p in zip(xs, prompt)])),
                                prompt, prompt, block_table, kv, ic)
     step = jitted(module)
-    got, got_topk, done = [], [], list(prompt)
+    got, done = [], list(prompt)
     for q_len in (1, 4):
         x = jnp.asarray(np.concatenate([x[d:d + q_len] for x, d in zip(xs, done)]))
         done = [d + q_len for d in done]
