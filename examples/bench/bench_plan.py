@@ -26,6 +26,9 @@ def main():
     ap.add_argument("--case", action="append", help="tokens,kv_heads[,context]")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="32k only (the gpu_run.sh bench stage)")
+    ap.add_argument("--no-fusion-autotuner", action="store_true",
+                    help="compile with compiler_options={'xla_gpu_experimental_enable_fusion_autotuner': False} (on "
+                         "the GPU it spends most of the plan's compile time: docs/BENCHMARKS.md)")
     args = ap.parse_args()
     print("| N | Hkv | context | plan ms (median) | p10-p90 | compile s | sort / scatter ops |")
     print("|---|---|---|---|---|---|---|")
@@ -41,9 +44,10 @@ def main():
         max_blocks = (context + 127) // 128
         fn = jax.jit(lambda t, c, s: build_prefill_plan(t, c, s, max_blocks=max_blocks, queries_per_tile=8))
         t0 = time.perf_counter()
-        compiled = fn.lower(topk, cu, seq).compile()
+        options = {"xla_gpu_experimental_enable_fusion_autotuner": False} if args.no_fusion_autotuner else None
+        compiled = fn.lower(topk, cu, seq).compile(compiler_options=options)
         compile_s = time.perf_counter() - t0
-        med, lo, hi = median_p10_p90(fn, (topk, cu, seq), args.repeats)
+        med, lo, hi = median_p10_p90(compiled, (topk, cu, seq), args.repeats)
         hlo = compiled.as_text()
         ops = sorted(set(re.findall(r'custom_call_target="[^"]*sort[^"]*"|scatter\(', hlo)))
         print(f"| {n} | {hkv} | {context} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} | {compile_s:.1f} | "
