@@ -28,6 +28,7 @@ import numpy as np
 from jax_msa import _batching
 
 TARGET_PREFILL = "jax_msa_prefill"
+TARGET_PREFILL_WINDOW = "jax_msa_prefill_window"
 TARGET_DECODE = "jax_msa_decode"
 TARGET_WRITE_KV = "jax_msa_write_kv"
 
@@ -176,6 +177,34 @@ def prefill_call(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table, plan,
                           block_table.astype(jnp.int32), plan.row_ptr, plan.edge_query, plan.edge_rank,
                           plan.query_edge_count, plan.work, plan.num_work,
                           softmax_scale=np.float32(softmax_scale), kv_format=np.int32(kv_format))
+    return out, lse
+
+
+def prefill_window_call(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table, plan, out=None, lse=None, *,
+                        window_start: int, softmax_scale: float, kv_format: int, partial_dtype=jnp.float32):
+    """One query window of the prefill (``sparse_attention(query_chunk_size=...)``), in place: q is the WHOLE
+    [T_all, Hq, D]; cu_seqlens_q / seq_lens / plan are the window's (plan.total_q tokens from window_start). Returns
+    (out [T_all, Hq, D], lse [T_all, Hq]) with the window's rows written; out / lse (the previous window's results)
+    are reused in place (aliased), and without them the other rows are left as XLA allocated them (every row belongs
+    to some window). No copy of the window's q in or of its out back, which a custom call on a slice costs."""
+    t_all, hq, d = q.shape
+    t, hkv, k = plan.total_q, plan.num_kv_heads, plan.topk
+    g = hq // hkv
+    po = jax.ShapeDtypeStruct((t, hkv, k, g, d), partial_dtype)
+    pl = jax.ShapeDtypeStruct((t, hkv, k, g), jnp.float32)
+    args = [q, kv_cache, scales, cu_seqlens_q.astype(jnp.int32), seq_lens.astype(jnp.int32),
+            block_table.astype(jnp.int32), plan.row_ptr, plan.edge_query, plan.edge_rank, plan.query_edge_count,
+            plan.work, plan.num_work]
+    aliases = None
+    if out is not None:
+        aliases = {len(args): 0, len(args) + 1: 1}
+        args += [out, lse]
+    call = jax.ffi.ffi_call(
+        TARGET_PREFILL_WINDOW,
+        (jax.ShapeDtypeStruct((t_all, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((t_all, hq), jnp.float32), po, pl),
+        vmap_method="sequential", input_output_aliases=aliases)
+    out, lse, _, _ = call(*args, softmax_scale=np.float32(softmax_scale), kv_format=np.int32(kv_format),
+                          window_start=np.int32(window_start))
     return out, lse
 
 

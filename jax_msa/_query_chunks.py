@@ -52,10 +52,15 @@ def window_layout(total_q: int, query_chunk_size: int) -> tuple[int, int]:
     return n, math.ceil(total_q / n)
 
 
-def window_starts(total_q: int, query_chunk_size: int) -> jax.Array:
-    """int32 [n]: each window's first token; the last window ends at total_q."""
+def static_window_starts(total_q: int, query_chunk_size: int) -> list[int]:
+    """Each window's first token (Python ints); the last window ends at total_q."""
     n, size = window_layout(total_q, query_chunk_size)
-    return jnp.minimum(jnp.arange(n, dtype=jnp.int32) * size, total_q - size)
+    return [min(i * size, total_q - size) for i in range(n)]
+
+
+def window_starts(total_q: int, query_chunk_size: int) -> jax.Array:
+    """int32 [n]: static_window_starts as an array."""
+    return jnp.asarray(static_window_starts(total_q, query_chunk_size), jnp.int32)
 
 
 def window_batch(cu_seqlens_q, seq_lens, start, size: int):
@@ -88,4 +93,28 @@ def run_in_windows(attend, q, topk, cu_seqlens_q, seq_lens, query_chunk_size: in
 
     init = (jnp.zeros((total_q, num_heads, q.shape[2]), jnp.bfloat16), jnp.zeros((total_q, num_heads), jnp.float32))
     (out, lse), _ = jax.lax.scan(step, init, window_starts(total_q, query_chunk_size))
+    return out, lse
+
+
+def window_plans(build_plan, topk, cu_seqlens_q, seq_lens, query_chunk_size: int):
+    """Every window's (cu_seqlens_q, seq_lens, plan), stacked along a leading [n] axis: one ``lax.map`` over the
+    windows (one compiled plan builder). build_plan(topk_window, cu_window, seq_window) -> PrefillPlan."""
+    _, size = window_layout(topk.shape[1], query_chunk_size)
+
+    def one(start):
+        window_cu, window_seq = window_batch(cu_seqlens_q, seq_lens, start, size)
+        window_topk = jax.lax.dynamic_slice_in_dim(topk, start, size, axis=1)
+        return window_cu, window_seq, build_plan(window_topk, window_cu, window_seq)
+
+    return jax.lax.map(one, window_starts(topk.shape[1], query_chunk_size))
+
+
+def run_window_calls(call, total_q: int, stacked, query_chunk_size: int):
+    """call(window_start, cu_window, seq_window, plan, out, lse) -> (out, lse) for every window in turn, with static
+    starts (the custom call offsets its pointers into the whole q / out / lse: no slice copies), threading out / lse
+    through (None for the first window). stacked: window_plans' result. Returns (out [T, Hq, D], lse [T, Hq])."""
+    out = lse = None
+    for i, start in enumerate(static_window_starts(total_q, query_chunk_size)):
+        window_cu, window_seq, plan = jax.tree.map(lambda a, i=i: a[i], stacked)
+        out, lse = call(start, window_cu, window_seq, plan, out, lse)
     return out, lse

@@ -131,15 +131,11 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
     if chunk_size is not None and plan is not None:
         raise ValueError("jax_msa.sparse_attention: plan= and query_chunk_size cannot be combined: a plan covers "
                          "the whole batch, and the windows build their own; pass one or the other")
-    if chunk_size is not None and q.shape[0] > chunk_size:
-        def attend(window_q, window_topk, window_cu, window_seq):
-            return sparse_attention(window_q, kv_cache, window_topk, cu_seqlens_q=window_cu, seq_lens=window_seq,
-                                    block_table=block_table, scale=softmax_scale, return_lse=True, impl=impl,
-                                    k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
-
-        out, lse = _query_chunks.run_in_windows(attend, q, topk, cu_seqlens_q, seq_lens, chunk_size)
-        return (out, lse) if return_lse else out
     scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
+    if chunk_size is not None and q.shape[0] > chunk_size:
+        out, lse = _windowed_attention(cfg, impl, softmax_scale, chunk_size, q, kv_cache, topk, cu_seqlens_q,
+                                       seq_lens, block_table, scales)
+        return (out, lse) if return_lse else out
 
     def ref(q, kv_cache, topk, cu, sl, bt, scales, plan):
         return reference.sparse_attention(q, kv_cache, topk, cu_seqlens_q=cu, seq_lens=sl, block_table=bt,
@@ -167,6 +163,41 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
     out, lse = _dispatch("sparse_attention", impl, kernels, ref, q, kv_cache, topk, cu_seqlens_q, seq_lens,
                          block_table, scales, plan)
     return (out, lse) if return_lse else out
+
+
+def _windowed_attention(cfg, impl, softmax_scale, chunk_size, q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table,
+                        scales):
+    """sparse_attention in query windows of at most chunk_size tokens (jax_msa/_query_chunks.py): the kernels run
+    each window in place on the whole q / out (one custom call a window, static starts, the windows' plans built in
+    one lax.map); the reference runs the windows in a lax.scan."""
+    def ref(q, kv_cache, topk, cu, sl, bt, scales, stacked_plans):
+        def attend(window_q, window_topk, window_cu, window_seq):
+            return reference.sparse_attention(window_q, kv_cache, window_topk, cu_seqlens_q=window_cu,
+                                              seq_lens=window_seq, block_table=bt, scale=softmax_scale,
+                                              return_lse=True, q_scale=scales[0], k_scale=scales[1],
+                                              v_scale=scales[2])
+        return _query_chunks.run_in_windows(attend, q, topk, cu, sl, chunk_size)
+
+    if impl == "reference":
+        return ref(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table, scales, None)
+
+    qpt = default_queries_per_tile(cfg.num_q_heads, cfg.num_kv_heads)
+    stacked = _query_chunks.window_plans(
+        lambda t, c, s: build_prefill_plan(t, c, s, max_blocks=cfg.max_blocks, queries_per_tile=qpt),
+        topk, cu_seqlens_q, seq_lens, chunk_size)
+
+    def kernel(q, kv_cache, topk, cu, sl, bt, scales, stacked_plans, *, partial_dtype):
+        def call(start, window_cu, window_seq, plan, out, lse):
+            return _ffi.prefill_window_call(q, kv_cache, scales, window_cu, window_seq, bt, plan, out, lse,
+                                            window_start=start, softmax_scale=softmax_scale,
+                                            kv_format=int(cfg.kv_format), partial_dtype=partial_dtype)
+        return _query_chunks.run_window_calls(call, q.shape[0], stacked_plans, chunk_size)
+
+    kernels = {"cpu": functools.partial(kernel, partial_dtype=jnp.float32)}
+    if _ffi.TARGET_PREFILL_WINDOW in _ffi.cuda_targets() and _cuda_prefill_supported(cfg, stacked[2]):
+        kernels["cuda"] = functools.partial(kernel, partial_dtype=jnp.bfloat16)
+    return _dispatch("sparse_attention", impl, kernels, ref, q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table,
+                     scales, stacked)
 
 
 H200_SMS = 132

@@ -87,21 +87,26 @@ def test_window_batch_keeps_every_token_position():
             assert np.all(np.asarray(seq)[counts == 0] >= 0)
 
 
-def _prefill_call_results(text: str) -> list[list[str]]:
-    """The result types of every prefill custom call in a lowered module's text."""
+def _prefill_calls(text: str, target: str) -> list[tuple[list[str], list[str], str]]:
+    """(operand types, result types, attributes) of every custom call to target in a lowered module's text."""
     calls = []
     for line in text.splitlines():
-        if re.search(rf"custom_call\s*@{_ffi.TARGET_PREFILL}\b", line):
-            calls.append(re.findall(r"tensor<([^>]*)>", line.split("->")[-1]))
+        if re.search(rf"custom_call\s*@{target}\b", line):
+            signature = line.rsplit(" : ", 1)[-1]
+            operands, results = signature.split("->")
+            calls.append((re.findall(r"tensor<([^>]*)>", operands), re.findall(r"tensor<([^>]*)>", results), line))
     return calls
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
-def test_one_custom_call_in_a_loop_with_a_window_sized_workspace(platform):
-    if platform == "cuda" and _ffi.TARGET_PREFILL not in _ffi.cuda_targets():
+def test_windows_are_in_place_calls_with_window_sized_workspaces(platform):
+    """One jax_msa_prefill_window call a window (static starts), each on the WHOLE q and writing into the whole out /
+    lse, the previous window's aliased in place (none for the first): no slice of q, no copy of a window's out back.
+    Each call's partial workspace has the window's size; the windows' plans come from one loop."""
+    if platform == "cuda" and _ffi.TARGET_PREFILL_WINDOW not in _ffi.cuda_targets():
         pytest.skip("built without the CUDA prefill handler")
     p = _problem(5)
-    total_q, size = p.q.shape[0], 128
+    total_q, hq, size = p.q.shape[0], p.q.shape[1], 128
     n, window = _query_chunks.window_layout(total_q, size)
     assert n == 4 and window < total_q
 
@@ -109,13 +114,25 @@ def test_one_custom_call_in_a_loop_with_a_window_sized_workspace(platform):
         return jax_msa.sparse_attention(q, c, t, query_chunk_size=size, **p.prefill_kwargs())
 
     text = jax.jit(fn).trace(p.q, p.kv_cache, p.topk).lower(lowering_platforms=(platform,)).as_text()
-    assert "stablehlo.while" in text
-    calls = _prefill_call_results(text)
-    assert len(calls) == 1, calls
+    assert "stablehlo.while" in text  # the plans' lax.map
+    assert not _prefill_calls(text, _ffi.TARGET_PREFILL)
+    calls = _prefill_calls(text, _ffi.TARGET_PREFILL_WINDOW)
+    assert len(calls) == n, len(calls)
     partial = "bf16" if platform == "cuda" else "f32"
     hkv, k, g = SHAPES["num_kv_heads"], SHAPES["topk"], SHAPES["num_q_heads"] // SHAPES["num_kv_heads"]
-    assert f"{window}x{hkv}x{k}x{g}x128x{partial}" in calls[0], calls[0]
-    assert not any(t.startswith(f"{total_q}x") for t in calls[0]), calls[0]
+    whole = [f"{total_q}x{hq}x128xbf16", f"{total_q}x{hq}xf32"]
+    starts = _query_chunks.static_window_starts(total_q, size)
+    for i, (operands, results, line) in enumerate(calls):
+        assert operands[0] == whole[0], operands  # the whole q
+        assert results[:2] == whole, results
+        assert f"{window}x{hkv}x{k}x{g}x128x{partial}" in results, results
+        assert f"window_start = {starts[i]} : i32" in line
+        if i == 0:
+            assert len(operands) == 12 and "output_operand_alias" not in line
+        else:
+            assert operands[12:] == whole, operands
+            assert line.count("output_operand_alias<") == 2, line
+    assert not re.search(rf"dynamic_slice .*-> tensor<{window}x{hq}x128xbf16>", text)  # q is not sliced
 
 
 def test_bad_chunk_sizes_and_a_plan_are_refused():

@@ -87,15 +87,56 @@ auto prefill_signature(B b) {
       .template Attr<int32_t>("kv_format");
 }
 
+// ---- prefill of one query window, in place (sparse_attention(query_chunk_size=...)) ----------------------
+// args: the prefill's, with q WHOLE [T_all, Hq, D] and the window's cu_seqlens_q / seq_lens / plan (T = the plan's
+//       tokens), then optionally out_in [T_all, Hq, D] bf16 and lse_in [T_all, Hq] f32: the previous window's results,
+//       aliased to out / lse (absent for the first window: rows outside this one are then left as XLA allocated them)
+// rets: out [T_all, Hq, D], lse [T_all, Hq] (this window's rows written: [window_start, window_start + T)),
+//       partial_o / partial_lse as the prefill's, of the window's size
+// attrs: softmax_scale (f32), kv_format (i32), window_start (i32)
+template <typename B>
+auto prefill_window_signature(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template Arg<I32Buffer>()
+      .template OptionalArg<ffi::Buffer<ffi::BF16>>()
+      .template OptionalArg<F32Buffer>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Ret<F32Buffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<F32Buffer>()
+      .template Attr<float>("softmax_scale")
+      .template Attr<int32_t>("kv_format")
+      .template Attr<int32_t>("window_start");
+}
+
+// window_start < 0: the whole call (T = q's tokens). window_start >= 0: the window [window_start, window_start + T) of
+// q / out / lse, T the plan's tokens (query_edge_count [Hkv, T]); p's q / out / lse point at the window's first row.
 inline ffi::Error make_prefill_params(
     PrefillParams& p, ffi::AnyBuffer q, ffi::AnyBuffer cache, F32Buffer scales, I32Buffer cu_seqlens_q,
     I32Buffer seq_lens, I32Buffer block_table, I32Buffer row_ptr, I32Buffer edge_query, I32Buffer edge_rank,
     I32Buffer query_edge_count, I32Buffer work, I32Buffer num_work, ffi::ResultBuffer<ffi::BF16> out,
     ffi::ResultBuffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
-    float softmax_scale, int32_t kv_format) {
+    float softmax_scale, int32_t kv_format, int64_t window_start = -1) {
   p = PrefillParams{};
   if (auto e = bind_q_and_cache(p, q, cache, kv_format); e.failure()) return e;
-  p.total_q = int(dim(q, 0));
+  const int64_t q_rows = dim(q, 0);
+  p.total_q = int(q_rows);
+  if (window_start >= 0) {
+    if (query_edge_count.dimensions().size() != 2) return invalid("plan.query_edge_count must be [Hkv, T]");
+    const int64_t window = query_edge_count.dimensions()[1];
+    if (window_start + window > q_rows) return invalid("the query window reaches past q's tokens");
+    p.total_q = int(window);
+  }
   p.batch = int(seq_lens.dimensions()[0]);
   if (cu_seqlens_q.dimensions()[0] != p.batch + 1) return invalid("cu_seqlens_q must be [B+1]");
   if (block_table.dimensions().size() != 2 || block_table.dimensions()[0] != p.batch)
@@ -116,9 +157,8 @@ inline ffi::Error make_prefill_params(
     return invalid("prefill partial workspaces must be [T, Hkv, K, G(, D)]");
   if (partial_o->element_type() != ffi::DataType::F32 && partial_o->element_type() != ffi::DataType::BF16)
     return invalid("prefill partial_o must be float32 or bfloat16");
-  if (out->element_count() != int64_t(p.total_q) * p.num_q_heads * p.head_dim ||
-      lse->element_count() != int64_t(p.total_q) * p.num_q_heads)
-    return invalid("out / lse must be [T, Hq, D] / [T, Hq]");
+  if (out->element_count() != q_rows * p.num_q_heads * p.head_dim || lse->element_count() != q_rows * p.num_q_heads)
+    return invalid("out / lse must be [T, Hq, D] / [T, Hq] (T: q's tokens)");
   if (scales.element_count() < kNumScales) return invalid("scales must be [3]");
   p.scales = scales.typed_data();
   p.cu_seqlens_q = cu_seqlens_q.typed_data();
@@ -130,8 +170,10 @@ inline ffi::Error make_prefill_params(
   p.query_edge_count = query_edge_count.typed_data();
   p.work = work.typed_data();
   p.num_work = num_work.typed_data();
-  p.out = out->typed_data();
-  p.lse = lse->typed_data();
+  const int64_t first_row = window_start < 0 ? 0 : window_start;
+  p.q = static_cast<const char*>(p.q) + first_row * p.num_q_heads * p.head_dim * (p.q_is_fp8 ? 1 : 2);
+  p.out = reinterpret_cast<uint16_t*>(out->typed_data()) + first_row * p.num_q_heads * p.head_dim;
+  p.lse = lse->typed_data() + first_row * p.num_q_heads;
   p.partial_o = partial_o->untyped_data();
   p.partial_o_bf16 = partial_o->element_type() == ffi::DataType::BF16;
   p.partial_lse = partial_lse->typed_data();

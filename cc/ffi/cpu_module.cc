@@ -2,6 +2,8 @@
 // Target names are shared with the CUDA module (cc/ffi/cuda_module.cc).
 #include <nanobind/nanobind.h>
 
+#include <optional>
+
 #include "cpu/handlers.h"
 #include "ffi/bindings.h"
 #include "ffi/module_common.h"
@@ -21,6 +23,28 @@ ffi::Error prefill_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffe
   if (auto e = fb::make_prefill_params(p, q, cache, scales, cu_seqlens_q, seq_lens, block_table, row_ptr, edge_query,
                                        edge_rank, query_edge_count, work, num_work, out, lse, partial_o,
                                        partial_lse, softmax_scale, kv_format);
+      e.failure())
+    return e;
+  if (p.total_q > 0 && p.partial_o_bf16) return fb::invalid("the CPU prefill handler takes float32 partial_o");
+  jax_msa::cpu::prefill(p);
+  return ffi::Error::Success();
+}
+
+// One query window of sparse_attention(query_chunk_size=...), written into the whole out / lse in place (the
+// optional out_in / lse_in are those buffers, aliased to the results: nothing to read from them).
+ffi::Error prefill_window_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer scales,
+                                   fb::I32Buffer cu_seqlens_q, fb::I32Buffer seq_lens, fb::I32Buffer block_table,
+                                   fb::I32Buffer row_ptr, fb::I32Buffer edge_query, fb::I32Buffer edge_rank,
+                                   fb::I32Buffer query_edge_count, fb::I32Buffer work, fb::I32Buffer num_work,
+                                   std::optional<ffi::Buffer<ffi::BF16>>, std::optional<fb::F32Buffer>,
+                                   ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> lse,
+                                   ffi::Result<ffi::AnyBuffer> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
+                                   float softmax_scale, int32_t kv_format, int32_t window_start) {
+  jax_msa::PrefillParams p;
+  if (window_start < 0) return fb::invalid("window_start must be >= 0");
+  if (auto e = fb::make_prefill_params(p, q, cache, scales, cu_seqlens_q, seq_lens, block_table, row_ptr, edge_query,
+                                       edge_rank, query_edge_count, work, num_work, out, lse, partial_o,
+                                       partial_lse, softmax_scale, kv_format, window_start);
       e.failure())
     return e;
   if (p.total_q > 0 && p.partial_o_bf16) return fb::invalid("the CPU prefill handler takes float32 partial_o");
@@ -55,6 +79,8 @@ ffi::Error write_kv_cpu_impl(ffi::AnyBuffer cache_in, ffi::Buffer<ffi::BF16> k, 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMsaPrefillCpu, prefill_cpu_impl, fb::prefill_signature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMsaPrefillWindowCpu, prefill_window_cpu_impl,
+                              fb::prefill_window_signature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMsaDecodeCpu, decode_cpu_impl, fb::decode_signature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMsaWriteKvCpu, write_kv_cpu_impl, fb::write_kv_signature(ffi::Ffi::Bind()));
 
@@ -62,6 +88,7 @@ NB_MODULE(_jax_msa_cpu, m) {
   m.def("registrations", []() {
     nanobind::dict d;
     d["jax_msa_prefill"] = jax_msa::ffi_bind::capsule(JaxMsaPrefillCpu);
+    d["jax_msa_prefill_window"] = jax_msa::ffi_bind::capsule(JaxMsaPrefillWindowCpu);
     d["jax_msa_decode"] = jax_msa::ffi_bind::capsule(JaxMsaDecodeCpu);
     d["jax_msa_write_kv"] = jax_msa::ffi_bind::capsule(JaxMsaWriteKvCpu);
     return d;

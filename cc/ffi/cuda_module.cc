@@ -83,6 +83,7 @@ NB_MODULE(_jax_msa_cuda, m) {
     d["jax_msa_write_kv"] = jax_msa::ffi_bind::capsule(JaxMsaWriteKvCuda);
     d["jax_msa_decode"] = jax_msa::ffi_bind::capsule(JaxMsaDecodeCuda);
     d["jax_msa_prefill"] = jax_msa::ffi_bind::capsule(JaxMsaPrefillCuda);
+    d["jax_msa_prefill_window"] = jax_msa::ffi_bind::capsule(JaxMsaPrefillWindowCuda);
     return d;
   });
   m.def("compiled_archs", &compiled_archs, "CUDA architectures compiled into this module, e.g. ['90a'].");
