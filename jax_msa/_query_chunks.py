@@ -12,9 +12,13 @@ module gives each window the batch description under which its tokens keep their
   ``pos = seq_lens[b] - q_len_b + i`` (the spec's bottom-right rule). The blocks that the shorter length puts out
   of range all start after the window's last position, so they were causally invisible to its tokens anyway.
 
-The windows run one after the other in a ``lax.scan`` (one compiled body, its workspace allocated once) and write
-into the output in place. Their size is ``ceil(T / n)`` for ``n = ceil(T / C)`` windows, the last one moved back
-to end at T (it recomputes fewer than n tokens of the one before it, with identical results).
+On the kernel path the windows' plans are built in one ``lax.map`` (one compiled plan builder), then one custom call
+a window runs in turn (``run_window_calls``, static starts): it reads the window's rows of the WHOLE q and writes
+them into the whole out / lse, passed from window to window as aliased buffers, so no window's q is sliced out and
+no window's out is copied back (that data movement cost ~4 ms at 128k tokens on an H100; docs/BENCHMARKS.md). The
+jnp reference runs the windows in a ``lax.scan`` (``run_in_windows``). The windows' size is ``ceil(T / n)`` for
+``n = ceil(T / C)`` windows, the last one moved back to end at T (it recomputes fewer than n tokens of the one
+before it, with identical results).
 
 The kernels compute each (token, block) partial and each token's merge on its own, so their windowed results are
 bit-identical to one call's. The jnp reference is the same computation, but XLA may compile it differently for a
