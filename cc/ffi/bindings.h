@@ -1,5 +1,6 @@
-// XLA FFI signatures of the three custom calls and their translation into the flat params structs.
-// One signature per op, shared by the CPU and the CUDA registration (the CUDA one adds a stream).
+// XLA FFI signatures of the four custom calls and their translation into the flat params structs.
+// One signature per target, shared by the CPU and the CUDA registration (the CUDA one adds a stream); the prefill's
+// two targets (a whole call, one query window in place) share their argument and result lists.
 // Python side: jax_msa/_ffi.py is the only module that builds these calls; argument order, dtypes and
 // attribute names here and there must agree.
 #pragma once
@@ -62,11 +63,8 @@ ffi::Error bind_q_and_cache(P& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer&
 // ---- prefill ------------------------------------------------------------------------------------------
 // args: q, kv_cache, scales[3], cu_seqlens_q[B+1], seq_lens[B], block_table[B,MB],
 //       row_ptr, edge_query, edge_rank, query_edge_count, work, num_work
-// rets: out[T,Hq,D] bf16, lse[T,Hq] f32, partial_o[T,Hkv,K,G,D] f32 or bf16 (the handler says which),
-//       partial_lse[T,Hkv,K,G] f32
-// attrs: softmax_scale (f32), kv_format (i32)
 template <typename B>
-auto prefill_signature(B b) {
+auto prefill_args(B&& b) {  // by reference: a Binding does not move into a parameter
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<F32Buffer>()
@@ -78,11 +76,23 @@ auto prefill_signature(B b) {
       .template Arg<I32Buffer>()
       .template Arg<I32Buffer>()
       .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Arg<I32Buffer>();
+}
+
+// rets: out[T,Hq,D] bf16, lse[T,Hq] f32, partial_o[T,Hkv,K,G,D] f32 or bf16 (the handler says which),
+//       partial_lse[T,Hkv,K,G] f32
+template <typename B>
+auto prefill_rets(B&& b) {  // by reference: a Binding does not move into a parameter
+  return std::move(b).template Ret<ffi::Buffer<ffi::BF16>>()
       .template Ret<F32Buffer>()
       .template Ret<ffi::AnyBuffer>()
-      .template Ret<F32Buffer>()
+      .template Ret<F32Buffer>();
+}
+
+// attrs: softmax_scale (f32), kv_format (i32)
+template <typename B>
+auto prefill_signature(B b) {
+  return prefill_rets(prefill_args(std::move(b)))
       .template Attr<float>("softmax_scale")
       .template Attr<int32_t>("kv_format");
 }
@@ -96,24 +106,9 @@ auto prefill_signature(B b) {
 // attrs: softmax_scale (f32), kv_format (i32), window_start (i32)
 template <typename B>
 auto prefill_window_signature(B b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template OptionalArg<ffi::Buffer<ffi::BF16>>()
-      .template OptionalArg<F32Buffer>()
-      .template Ret<ffi::Buffer<ffi::BF16>>()
-      .template Ret<F32Buffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<F32Buffer>()
+  return prefill_rets(prefill_args(std::move(b))
+                          .template OptionalArg<ffi::Buffer<ffi::BF16>>()
+                          .template OptionalArg<F32Buffer>())
       .template Attr<float>("softmax_scale")
       .template Attr<int32_t>("kv_format")
       .template Attr<int32_t>("window_start");

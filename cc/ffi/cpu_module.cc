@@ -13,6 +13,13 @@ namespace fb = jax_msa::ffi_bind;
 
 namespace {
 
+// The prefill of p (bound by make_prefill_params: a whole call or one query window).
+ffi::Error run_prefill(const jax_msa::PrefillParams& p) {
+  if (p.total_q > 0 && p.partial_o_bf16) return fb::invalid("the CPU prefill handler takes float32 partial_o");
+  jax_msa::cpu::prefill(p);
+  return ffi::Error::Success();
+}
+
 ffi::Error prefill_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer scales, fb::I32Buffer cu_seqlens_q,
                             fb::I32Buffer seq_lens, fb::I32Buffer block_table, fb::I32Buffer row_ptr,
                             fb::I32Buffer edge_query, fb::I32Buffer edge_rank, fb::I32Buffer query_edge_count,
@@ -25,9 +32,7 @@ ffi::Error prefill_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffe
                                        partial_lse, softmax_scale, kv_format);
       e.failure())
     return e;
-  if (p.total_q > 0 && p.partial_o_bf16) return fb::invalid("the CPU prefill handler takes float32 partial_o");
-  jax_msa::cpu::prefill(p);
-  return ffi::Error::Success();
+  return run_prefill(p);
 }
 
 // One query window of sparse_attention(query_chunk_size=...), written into the whole out / lse in place (the
@@ -47,9 +52,7 @@ ffi::Error prefill_window_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F
                                        partial_lse, softmax_scale, kv_format, window_start);
       e.failure())
     return e;
-  if (p.total_q > 0 && p.partial_o_bf16) return fb::invalid("the CPU prefill handler takes float32 partial_o");
-  jax_msa::cpu::prefill(p);
-  return ffi::Error::Success();
+  return run_prefill(p);
 }
 
 ffi::Error decode_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer scales, fb::I32Buffer topk,
