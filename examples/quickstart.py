@@ -29,7 +29,7 @@ PAGE = 128  # tokens per page == tokens per sparse block
 CONTEXT_LENS = (300, 2500)  # prompt tokens per request, all in the cache after the prefill step
 CHUNK_LENS = (300, 400)  # new tokens per request in the prefill step (request 1: its last chunk)
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, TOPK = 16, 1, 128, 16
-CUSTOM_CALLS = ("jax_msa_prefill", "jax_msa_decode", "jax_msa_write_kv")
+CUSTOM_CALLS = ("jax_msa_prefill", "jax_msa_prefill_window", "jax_msa_decode", "jax_msa_write_kv")
 
 
 def stand_in_indexer(rng, positions, num_blocks, topk):

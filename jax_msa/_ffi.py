@@ -1,15 +1,18 @@
 """The one module that touches ``jax.ffi``: loads the extension modules, guards the FFI ABI, registers
-the handlers and builds the ``ffi_call``s of the three custom calls.
+the handlers and builds the ``ffi_call``s of the four custom calls.
 
 Targets (the same name for platform ``cpu`` and ``CUDA``):
 
-==================== ===================================================================================
-jax_msa_prefill      q, kv_cache, scales[3], cu_seqlens_q, seq_lens, block_table, plan arrays (6)
-                     -> out bf16 [T,Hq,D], lse f32 [T,Hq], partial workspaces (2)
-jax_msa_decode       q, kv_cache, scales[3], topk, seq_lens, block_table
-                     -> out, lse, split-K workspaces (2)
-jax_msa_write_kv     kv_cache (aliased), k, v, slot_mapping, scales[3] -> kv_cache
-==================== ===================================================================================
+====================== =================================================================================
+jax_msa_prefill        q, kv_cache, scales[3], cu_seqlens_q, seq_lens, block_table, plan arrays (6)
+                       -> out bf16 [T,Hq,D], lse f32 [T,Hq], partial workspaces (2)
+jax_msa_prefill_window the prefill's, with the WHOLE q [T_all,Hq,D] and one query window's batch and plan, then
+                       optionally the previous window's out / lse (aliased) -> out [T_all,Hq,D], lse [T_all,Hq]
+                       (the window's rows written), the window's partial workspaces (2); attr window_start
+jax_msa_decode         q, kv_cache, scales[3], topk, seq_lens, block_table
+                       -> out, lse, split-K workspaces (2)
+jax_msa_write_kv       kv_cache (aliased), k, v, slot_mapping, scales[3] -> kv_cache
+====================== =================================================================================
 
 The C++ side of these signatures is ``cc/ffi/bindings.h``.
 """
@@ -189,6 +192,11 @@ def prefill_window_call(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table
     to some window). No copy of the window's q in or of its out back, which a custom call on a slice costs."""
     t_all, hq, d = q.shape
     t, hkv, k = plan.total_q, plan.num_kv_heads, plan.topk
+    if not 0 <= window_start <= t_all - t:
+        raise ValueError(f"jax_msa prefill window: window_start={window_start} with a plan of {t} tokens does not "
+                         f"fit q's {t_all} tokens")
+    if (out is None) != (lse is None):
+        raise ValueError("jax_msa prefill window: pass both out and lse of the previous window, or neither")
     g = hq // hkv
     po = jax.ShapeDtypeStruct((t, hkv, k, g, d), partial_dtype)
     pl = jax.ShapeDtypeStruct((t, hkv, k, g), jnp.float32)

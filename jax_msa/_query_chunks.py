@@ -15,8 +15,10 @@ module gives each window the batch description under which its tokens keep their
 On the kernel path the windows' plans are built in one ``lax.map`` (one compiled plan builder), then one custom call
 a window runs in turn (``run_window_calls``, static starts): it reads the window's rows of the WHOLE q and writes
 them into the whole out / lse, passed from window to window as aliased buffers, so no window's q is sliced out and
-no window's out is copied back (that data movement cost ~4 ms at 128k tokens on an H100; docs/BENCHMARKS.md). The
-jnp reference runs the windows in a ``lax.scan`` (``run_in_windows``). The windows' size is ``ceil(T / n)`` for
+no window's out is copied back (against the earlier scan of sliced windows, 3.7-4.4 ms less at 128k tokens on an
+H100, the copies and the plans' restructuring together; docs/BENCHMARKS.md). The calls are unrolled, so beyond
+``MAX_IN_PLACE_WINDOWS`` windows (compile time) and in the jnp reference, the windows run in a ``lax.scan``
+(``run_in_windows``). The windows' size is ``ceil(T / n)`` for
 ``n = ceil(T / C)`` windows, the last one moved back to end at T (it recomputes fewer than n tokens of the one
 before it, with identical results).
 
@@ -48,6 +50,19 @@ def check_chunk_size(query_chunk_size) -> int | None:
     if size < 1:
         raise ValueError(f"jax_msa.sparse_attention: query_chunk_size must be >= 1; got {size}")
     return size
+
+
+# At most this many windows run as in-place custom calls: one unrolled call a window, so the compile time grows with
+# their number (measured on the CPU, 452 tokens: 31 windows 2.1 s in place / 0.6 s in the scan, 113 windows 6.3 /
+# 0.9 s, 452 windows 29.6 / 1.3 s). Beyond it they run in a lax.scan, each window's q sliced in and its out copied
+# back (10.7-11.6% more time than one call at 128k tokens on an H100 in windows of 16k / 32k, against 0.6-2.7% in
+# place: docs/BENCHMARKS.md).
+MAX_IN_PLACE_WINDOWS = 32
+
+
+def in_place(total_q: int, query_chunk_size: int) -> bool:
+    """Whether the kernels run the windows as in-place calls (run_window_calls) rather than in a scan."""
+    return window_layout(total_q, query_chunk_size)[0] <= MAX_IN_PLACE_WINDOWS
 
 
 def window_layout(total_q: int, query_chunk_size: int) -> tuple[int, int]:

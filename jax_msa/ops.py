@@ -133,8 +133,17 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
                          "the whole batch, and the windows build their own; pass one or the other")
     scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
     if chunk_size is not None and q.shape[0] > chunk_size:
-        out, lse = _windowed_attention(cfg, impl, softmax_scale, chunk_size, q, kv_cache, topk, cu_seqlens_q,
-                                       seq_lens, block_table, scales)
+        if _query_chunks.in_place(q.shape[0], chunk_size):
+            out, lse = _windowed_attention(cfg, impl, softmax_scale, chunk_size, q, kv_cache, topk, cu_seqlens_q,
+                                           seq_lens, block_table, scales)
+        else:  # many windows: one compiled body in a scan, each window a whole call on its slice of q
+            def attend(window_q, window_topk, window_cu, window_seq):
+                return sparse_attention(window_q, kv_cache, window_topk, cu_seqlens_q=window_cu,
+                                        seq_lens=window_seq, block_table=block_table, scale=softmax_scale,
+                                        return_lse=True, impl=impl, k_scale=k_scale, v_scale=v_scale,
+                                        q_scale=q_scale)
+
+            out, lse = _query_chunks.run_in_windows(attend, q, topk, cu_seqlens_q, seq_lens, chunk_size)
         return (out, lse) if return_lse else out
 
     def ref(q, kv_cache, topk, cu, sl, bt, scales, plan):

@@ -85,9 +85,9 @@ def test_prefill_varlen(fmt, group, topk):
 @pytest.mark.parametrize("group", [8, 16])
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
 def test_prefill_query_windows_match_one_call(fmt, group):
-    """sparse_attention(query_chunk_size=...): the tokens in windows (each its own plan, its own custom call inside
-    a loop) give the one call's outputs bit for bit, which meet the oracle bound. Windows of 300 cut requests (and
-    the tiles of a block) anywhere; 1000 and 129 are the same batch cut elsewhere."""
+    """sparse_attention(query_chunk_size=...): the tokens in windows (each its own plan, its own in-place custom call
+    on the whole q / out) give the one call's outputs bit for bit, which meet the oracle bound. Windows of 300 cut
+    requests (and the tiles of a block) anywhere; 1000 and 129 are the same batch cut elsewhere."""
     p = make_problem(300 + 10 * int(fmt) + group, q_lens=[1, 127, 129, 1000, 300],
                      seq_lens=[1, 127, 129, 1000, 4097], num_q_heads=2 * group, num_kv_heads=2, topk=16,
                      pad_tokens=3, cache_from_kv=cache_maker(fmt))
@@ -175,6 +175,10 @@ def test_prefill_fp8_query():
     k_err = np.abs(np.asarray(out, np.float32) - ref).max()
     b_err = np.abs(np.asarray(b16, np.float32) - ref).max()
     assert k_err <= 2 * b_err + 2.0**-12, (k_err, b_err)
+    # in query windows (the in-place calls offset q by window_start rows of 1-byte elements): the same bits
+    windowed, _ = jax.jit(lambda q, c, t: jax_msa.sparse_attention(q, c, t, impl="kernel", query_chunk_size=150,
+                                                                   **args, **scales))(q8, p.kv_cache, p.topk)
+    assert_bitwise_equal(windowed, out)
 
 
 @pytest.mark.parametrize("group", [8, 16])

@@ -135,6 +135,59 @@ def test_windows_are_in_place_calls_with_window_sized_workspaces(platform):
     assert not re.search(rf"dynamic_slice .*-> tensor<{window}x{hq}x128xbf16>", text)  # q is not sliced
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_many_windows_run_in_a_scan(platform, monkeypatch):
+    """Beyond MAX_IN_PLACE_WINDOWS windows (compile time grows with the unrolled calls) the kernels run the windows
+    in a lax.scan: one jax_msa_prefill call on a window-sized slice of q, no window calls; still bit for bit."""
+    if platform == "cuda" and _ffi.TARGET_PREFILL not in _ffi.cuda_targets():
+        pytest.skip("built without the CUDA prefill handler")
+    monkeypatch.setattr(_query_chunks, "MAX_IN_PLACE_WINDOWS", 2)
+    p = _problem(5)
+    total_q, hq, size = p.q.shape[0], p.q.shape[1], 128
+    n, window = _query_chunks.window_layout(total_q, size)
+    assert n == 4 and not _query_chunks.in_place(total_q, size)
+
+    def fn(q, c, t):
+        return jax_msa.sparse_attention(q, c, t, query_chunk_size=size, **p.prefill_kwargs())
+
+    text = jax.jit(fn).trace(p.q, p.kv_cache, p.topk).lower(lowering_platforms=(platform,)).as_text()
+    assert "stablehlo.while" in text
+    assert not _prefill_calls(text, _ffi.TARGET_PREFILL_WINDOW)
+    calls = _prefill_calls(text, _ffi.TARGET_PREFILL)
+    assert len(calls) == 1 and calls[0][0][0] == f"{window}x{hq}x128xbf16", calls
+    if platform == "cpu":
+        assert_bitwise_equal(_attention(p, "auto", query_chunk_size=size), _attention(p, "auto"))
+
+
+def test_windows_with_fp8_queries():
+    """The in-place calls offset q by window_start rows of q's element size (1 byte for FP8 queries)."""
+    p = _problem(13)
+    q8 = (p.q.astype(jnp.float32) / 0.05).astype(jnp.float8_e4m3fn)
+    def run(**kw):
+        return jax.jit(lambda q, c, t: jax_msa.sparse_attention(q, c, t, return_lse=True, q_scale=0.05,
+                                                                **p.prefill_kwargs(), **kw))(q8, p.kv_cache, p.topk)
+
+    assert _query_chunks.in_place(p.q.shape[0], 100)
+    assert_bitwise_equal(run(query_chunk_size=100), run())
+
+
+def test_bad_window_calls_are_refused_at_trace_time():
+    p = _problem(9)
+    qpt = 8
+    plan = jax_msa.build_prefill_plan(p.topk[:, :100], jnp.asarray([0, 100], jnp.int32), jnp.asarray([100], jnp.int32),
+                                      max_blocks=p.block_table.shape[1], queries_per_tile=qpt)
+    scales = _ffi.pack_scales(None, None, None)
+    kw = dict(softmax_scale=0.1, kv_format=int(jax_msa.KVFormat.BF16))
+    args = (p.q, p.kv_cache, scales, jnp.asarray([0, 100], jnp.int32), jnp.asarray([100], jnp.int32),
+            p.block_table[:1], plan)
+    with pytest.raises(ValueError, match="does not fit"):
+        _ffi.prefill_window_call(*args, window_start=p.q.shape[0] - 99, **kw)
+    with pytest.raises(ValueError, match="does not fit"):
+        _ffi.prefill_window_call(*args, window_start=-1, **kw)
+    with pytest.raises(ValueError, match="both out and lse"):
+        _ffi.prefill_window_call(*args, p.q.astype(jnp.bfloat16), window_start=0, **kw)
+
+
 def test_bad_chunk_sizes_and_a_plan_are_refused():
     p = _problem(9)
     args = (p.q, p.kv_cache, p.topk)
