@@ -230,6 +230,19 @@ def test_prefill_small_for_sanitizer(fmt):
 
 
 @pytest.mark.sanitize
+def test_prefill_query_windows_for_sanitizer():
+    """The in-place window calls (their q / out / lse pointers offset by window_start) under memcheck: windows of 60
+    over the small case's tokens, the last one moved back over the one before it."""
+    p = make_problem(23, q_lens=[5, 130], seq_lens=[300, 130], num_q_heads=16, num_kv_heads=1, topk=8,
+                     pad_tokens=2, cache_from_kv=cache_maker(KVFormat.BF16))
+    whole_out, _ = check(p, KVFormat.BF16)
+    out = jax.jit(lambda q, c, t: jax_msa.sparse_attention(
+        q, c, t, cu_seqlens_q=p.cu_seqlens_q, seq_lens=p.seq_lens, block_table=p.block_table, impl="kernel",
+        query_chunk_size=60, **kernel_scales(KVFormat.BF16)))(p.q, p.kv_cache, p.topk)
+    assert_bitwise_equal(out, whole_out)
+
+
+@pytest.mark.sanitize
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
 def test_prefill_stage_reuse_for_sanitizer(fmt):
     """More work items than SMs, runs of them chunks of one block: the sm90 kernel's CTAs walk contiguous ranges and a
