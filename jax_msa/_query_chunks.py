@@ -18,9 +18,8 @@ them into the whole out / lse, passed from window to window as aliased buffers, 
 no window's out is copied back (against the earlier scan of sliced windows, 3.7-4.4 ms less at 128k tokens on an
 H100, the copies and the plans' restructuring together; docs/BENCHMARKS.md). The calls are unrolled, so beyond
 ``MAX_IN_PLACE_WINDOWS`` windows (compile time) and in the jnp reference, the windows run in a ``lax.scan``
-(``run_in_windows``). The windows' size is ``ceil(T / n)`` for
-``n = ceil(T / C)`` windows, the last one moved back to end at T (it recomputes fewer than n tokens of the one
-before it, with identical results).
+(``run_in_windows``). The windows' size is ``ceil(T / n)`` for ``n = ceil(T / C)`` windows, the last one moved back
+to end at T (it recomputes fewer than n tokens of the one before it, with identical results).
 
 The kernels compute each (token, block) partial and each token's merge on its own, so their windowed results are
 bit-identical to one call's. The jnp reference is the same computation, but XLA may compile it differently for a

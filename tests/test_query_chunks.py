@@ -163,6 +163,7 @@ def test_windows_with_fp8_queries():
     """The in-place calls offset q by window_start rows of q's element size (1 byte for FP8 queries)."""
     p = _problem(13)
     q8 = (p.q.astype(jnp.float32) / 0.05).astype(jnp.float8_e4m3fn)
+
     def run(**kw):
         return jax.jit(lambda q, c, t: jax_msa.sparse_attention(q, c, t, return_lse=True, q_scale=0.05,
                                                                 **p.prefill_kwargs(), **kw))(q8, p.kv_cache, p.topk)
@@ -173,9 +174,8 @@ def test_windows_with_fp8_queries():
 
 def test_bad_window_calls_are_refused_at_trace_time():
     p = _problem(9)
-    qpt = 8
     plan = jax_msa.build_prefill_plan(p.topk[:, :100], jnp.asarray([0, 100], jnp.int32), jnp.asarray([100], jnp.int32),
-                                      max_blocks=p.block_table.shape[1], queries_per_tile=qpt)
+                                      max_blocks=p.block_table.shape[1])
     scales = _ffi.pack_scales(None, None, None)
     kw = dict(softmax_scale=0.1, kv_format=int(jax_msa.KVFormat.BF16))
     args = (p.q, p.kv_cache, scales, jnp.asarray([0, 100], jnp.int32), jnp.asarray([100], jnp.int32),
