@@ -5,6 +5,7 @@
 // attribute names here and there must agree.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -114,22 +115,23 @@ auto prefill_window_signature(B b) {
       .template Attr<int32_t>("window_start");
 }
 
-// window_start < 0: the whole call (T = q's tokens). window_start >= 0: the window [window_start, window_start + T) of
+// No window_start: the whole call (T = q's tokens). With one: the window [window_start, window_start + T) of
 // q / out / lse, T the plan's tokens (query_edge_count [Hkv, T]); p's q / out / lse point at the window's first row.
 inline ffi::Error make_prefill_params(
     PrefillParams& p, ffi::AnyBuffer q, ffi::AnyBuffer cache, F32Buffer scales, I32Buffer cu_seqlens_q,
     I32Buffer seq_lens, I32Buffer block_table, I32Buffer row_ptr, I32Buffer edge_query, I32Buffer edge_rank,
     I32Buffer query_edge_count, I32Buffer work, I32Buffer num_work, ffi::ResultBuffer<ffi::BF16> out,
     ffi::ResultBuffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
-    float softmax_scale, int32_t kv_format, int64_t window_start = -1) {
+    float softmax_scale, int32_t kv_format, std::optional<int64_t> window_start = std::nullopt) {
   p = PrefillParams{};
   if (auto e = bind_q_and_cache(p, q, cache, kv_format); e.failure()) return e;
   const int64_t q_rows = dim(q, 0);
   p.total_q = int(q_rows);
-  if (window_start >= 0) {
+  if (window_start) {
+    if (*window_start < 0) return invalid("window_start must be >= 0");
     if (query_edge_count.dimensions().size() != 2) return invalid("plan.query_edge_count must be [Hkv, T]");
     const int64_t window = query_edge_count.dimensions()[1];
-    if (window_start + window > q_rows) return invalid("the query window reaches past q's tokens");
+    if (*window_start + window > q_rows) return invalid("the query window reaches past q's tokens");
     p.total_q = int(window);
   }
   p.batch = int(seq_lens.dimensions()[0]);
@@ -165,7 +167,7 @@ inline ffi::Error make_prefill_params(
   p.query_edge_count = query_edge_count.typed_data();
   p.work = work.typed_data();
   p.num_work = num_work.typed_data();
-  const int64_t first_row = window_start < 0 ? 0 : window_start;
+  const int64_t first_row = window_start.value_or(0);
   p.q = static_cast<const char*>(p.q) + first_row * p.num_q_heads * p.head_dim * (p.q_is_fp8 ? 1 : 2);
   p.out = reinterpret_cast<uint16_t*>(out->typed_data()) + first_row * p.num_q_heads * p.head_dim;
   p.lse = lse->typed_data() + first_row * p.num_q_heads;

@@ -78,7 +78,6 @@ ffi::Error prefill_window_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
                                     ffi::Result<ffi::AnyBuffer> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
                                     float softmax_scale, int32_t kv_format, int32_t window_start) {
   jax_msa::PrefillParams p;
-  if (window_start < 0) return fb::invalid("window_start must be >= 0");
   if (auto e = fb::make_prefill_params(p, q, cache, scales, cu_seqlens_q, seq_lens, block_table, row_ptr, edge_query,
                                        edge_rank, query_edge_count, work, num_work, out, lse, partial_o,
                                        partial_lse, softmax_scale, kv_format, window_start);
