@@ -160,25 +160,34 @@ class DecodeWorkspace(NamedTuple):
     num_splits: int  # split-K partial sets; <= 1: the handler writes the output directly, no workspace
 
 
+def _prefill_args(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table, plan) -> list:
+    """The argument list both prefill targets start with (bindings.h prefill_args)."""
+    return [q, kv_cache, scales, cu_seqlens_q.astype(jnp.int32), seq_lens.astype(jnp.int32),
+            block_table.astype(jnp.int32), plan.row_ptr, plan.edge_query, plan.edge_rank, plan.query_edge_count,
+            plan.work, plan.num_work]
+
+
+def _prefill_results(out_tokens: int, t: int, hq: int, d: int, plan, partial_dtype, partials: bool = True) -> tuple:
+    """The results of both prefill targets (bindings.h prefill_rets): out bf16 [out_tokens, Hq, D], lse f32
+    [out_tokens, Hq], and the partial workspaces of the plan's t tokens, one normalized (O, lse) per (query, head
+    group, selected block)."""
+    hkv, k = plan.num_kv_heads, plan.topk
+    g = hq // hkv
+    po = jax.ShapeDtypeStruct((t, hkv, k, g, d) if partials else (0,), partial_dtype)
+    pl = jax.ShapeDtypeStruct((t, hkv, k, g) if partials else (0,), jnp.float32)
+    return (jax.ShapeDtypeStruct((out_tokens, hq, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((out_tokens, hq), jnp.float32), po, pl)
+
+
 def prefill_call(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table, plan, *, softmax_scale: float,
                  kv_format: int, partials: bool = True, partial_dtype=jnp.float32):
     """The prefill custom call for the backend being lowered. Returns (out, lse). The normalized partial outputs
     are float32 for the CPU handler and bfloat16 for the CUDA one (half the partial traffic, which bounds the
     GPU prefill; their rounding moves the error by about 1%, measured against the float64 oracle)."""
     t, hq, d = q.shape
-    hkv = plan.num_kv_heads
-    g = hq // hkv
-    k = plan.topk
-    # partial workspaces: one normalized (O, lse) per (query, head group, selected block).
-    po = jax.ShapeDtypeStruct((t, hkv, k, g, d) if partials else (0,), partial_dtype)
-    pl = jax.ShapeDtypeStruct((t, hkv, k, g) if partials else (0,), jnp.float32)
-    call = jax.ffi.ffi_call(
-        TARGET_PREFILL,
-        (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, hq), jnp.float32), po, pl),
-        vmap_method="sequential")
-    out, lse, _, _ = call(q, kv_cache, scales, cu_seqlens_q.astype(jnp.int32), seq_lens.astype(jnp.int32),
-                          block_table.astype(jnp.int32), plan.row_ptr, plan.edge_query, plan.edge_rank,
-                          plan.query_edge_count, plan.work, plan.num_work,
+    call = jax.ffi.ffi_call(TARGET_PREFILL, _prefill_results(t, t, hq, d, plan, partial_dtype, partials),
+                            vmap_method="sequential")
+    out, lse, _, _ = call(*_prefill_args(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table, plan),
                           softmax_scale=np.float32(softmax_scale), kv_format=np.int32(kv_format))
     return out, lse
 
@@ -191,26 +200,19 @@ def prefill_window_call(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table
     are reused in place (aliased), and without them the other rows are left as XLA allocated them (every row belongs
     to some window). No copy of the window's q in or of its out back, which a custom call on a slice costs."""
     t_all, hq, d = q.shape
-    t, hkv, k = plan.total_q, plan.num_kv_heads, plan.topk
+    t = plan.total_q
     if not 0 <= window_start <= t_all - t:
         raise ValueError(f"jax_msa prefill window: window_start={window_start} with a plan of {t} tokens does not "
                          f"fit q's {t_all} tokens")
     if (out is None) != (lse is None):
         raise ValueError("jax_msa prefill window: pass both out and lse of the previous window, or neither")
-    g = hq // hkv
-    po = jax.ShapeDtypeStruct((t, hkv, k, g, d), partial_dtype)
-    pl = jax.ShapeDtypeStruct((t, hkv, k, g), jnp.float32)
-    args = [q, kv_cache, scales, cu_seqlens_q.astype(jnp.int32), seq_lens.astype(jnp.int32),
-            block_table.astype(jnp.int32), plan.row_ptr, plan.edge_query, plan.edge_rank, plan.query_edge_count,
-            plan.work, plan.num_work]
+    args = _prefill_args(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table, plan)
     aliases = None
     if out is not None:
         aliases = {len(args): 0, len(args) + 1: 1}
         args += [out, lse]
-    call = jax.ffi.ffi_call(
-        TARGET_PREFILL_WINDOW,
-        (jax.ShapeDtypeStruct((t_all, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((t_all, hq), jnp.float32), po, pl),
-        vmap_method="sequential", input_output_aliases=aliases)
+    call = jax.ffi.ffi_call(TARGET_PREFILL_WINDOW, _prefill_results(t_all, t, hq, d, plan, partial_dtype),
+                            vmap_method="sequential", input_output_aliases=aliases)
     out, lse, _, _ = call(*args, softmax_scale=np.float32(softmax_scale), kv_format=np.int32(kv_format),
                           window_start=np.int32(window_start))
     return out, lse
