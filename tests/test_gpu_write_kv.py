@@ -105,7 +105,7 @@ def _gpu_write(k_scale, v_scale):
 
 
 @functools.cache
-def _cpu_reference(k_scale, v_scale):
+def _jnp_writer(k_scale, v_scale):
     def write(cache, k, v, slots):
         return reference.write_kv(cache, k, v, slots, k_scale=k_scale, v_scale=v_scale)
     return jax.jit(write)
@@ -115,7 +115,7 @@ def _expected_on_cpu(cache, k, v, slots, k_scale, v_scale) -> np.ndarray:
     cpu = _cpu()
     with jax.default_device(cpu):
         args = [jax.device_put(jnp.asarray(x), cpu) for x in (cache, k, v, slots)]
-        return _as_bytes(_cpu_reference(k_scale, v_scale)(*args))
+        return _as_bytes(_jnp_writer(k_scale, v_scale)(*args))
 
 
 def _problem(fmt, d, hkv, seed, n=300, pages=4):
@@ -138,6 +138,28 @@ def _first_mismatch(got: np.ndarray, want: np.ndarray) -> str:
 
 
 FORMATS = [kvc.KVFormat.BF16, kvc.KVFormat.FP8, kvc.KVFormat.NVFP4]
+
+
+@pytest.mark.parametrize("fmt", FORMATS[1:], ids=lambda f: f.name.lower())
+def test_jnp_writer_on_the_gpu_matches_cpu_bytes(fmt):
+    """The jnp writer (reference.write_kv, the portable path) compiled for the GPU writes the CPU's bytes: XLA's GPU
+    backend may drop an fp32 -> E4M3 -> fp32 or fp32 -> bf16 -> fp32 round trip (excess precision, on by default),
+    which made the NVFP4 codes use the unrounded block scale (99,785 of 1,048,576 bytes off on an H100) until the
+    quantizers rounded by bitcast and reduce_precision. fp32 K/V too, whose bf16 rounding is the quantizer's own."""
+    cache, k, v, slots, k_scale, v_scale = _problem(fmt, 128, 4, 2000 + int(fmt))
+    for kv_dtype in (ml_dtypes.bfloat16, np.float32):
+        kk, vv = k.astype(np.float32), v.astype(np.float32)
+        if kv_dtype == np.float32:  # bits below bf16's, so that the bf16 rounding matters
+            rng = np.random.default_rng(7)
+            kk = kk * (1 + rng.uniform(-2**-9, 2**-9, kk.shape).astype(np.float32))
+            vv = vv * (1 + rng.uniform(-2**-9, 2**-9, vv.shape).astype(np.float32))
+        kk, vv = kk.astype(kv_dtype), vv.astype(kv_dtype)
+        want = _expected_on_cpu(cache, kk, vv, slots, k_scale, v_scale)
+        gpu = _gpu()
+        args = [jax.device_put(jnp.asarray(x), gpu) for x in (cache, kk, vv, slots)]
+        got = _as_bytes(_jnp_writer(k_scale, v_scale)(*args))
+        assert got.shape == want.shape
+        assert (got == want).all(), f"{np.dtype(kv_dtype).name} K/V: " + _first_mismatch(got, want)
 
 
 @pytest.mark.parametrize("hkv", [1, 4])
