@@ -206,6 +206,45 @@ def test_div_rn_is_correctly_rounded():
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def test_rounding_primitives_are_exact():
+    """kv_cache.e4m3_satfinite and round_to_bf16 (integer code + bitcast, reduce_precision) vs the oracle / ml_dtypes
+    on random bit patterns, every E4M3 midpoint and its neighbours, subnormal and non-finite inputs."""
+    rng = np.random.default_rng(102)
+    x = rng.integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32).view(F32)
+    vals = np.arange(0, 127, dtype=np.uint8).view(E4M3).astype(np.float64)
+    mids = ((vals[:-1] + vals[1:]) / 2).astype(F32)
+    x = np.concatenate([x, mids, np.nextafter(mids, F32(0)), np.nextafter(mids, F32(1e9)), -mids,
+                        F32([448, 449, 464, 465, np.inf, -np.inf, 0.0, -0.0, 2.0**-10, 1e-45, -1e-45])])
+    got = np.asarray(jax.jit(kvc.e4m3_satfinite)(x)).view(np.uint8)
+    finite = ~np.isnan(x)
+    np.testing.assert_array_equal(got[finite], np_e4m3_bits(x[finite]))
+    assert ((got[~finite] & 0x7F) == 0x7F).all()  # NaN stays NaN
+    got = np.asarray(jax.jit(kvc.round_to_bf16)(x))
+    with np.errstate(invalid="ignore"):
+        want = x.astype(BF16).astype(F32)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), x[~same][:5]
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_quantizers_lowered_for_the_gpu_keep_their_roundings(kv_dtype):
+    """What the jnp writer emits for the GPU: no float convert to E4M3 (XLA's GPU backend, excess precision allowed by
+    default, drops an fp32 -> E4M3 -> fp32 pair, which made the NVFP4 codes use the unrounded block scale), and fp32
+    K/V rounded to bf16 by reduce_precision, never by a bf16 convert pair (dropped alike)."""
+    import re
+
+    n, hkv, d = 8, 2, 128
+    k = jnp.zeros((n, hkv, d), kv_dtype)
+    slots = jnp.arange(n, dtype=jnp.int32)
+    for fmt in (kvc.KVFormat.FP8, kvc.KVFormat.NVFP4):
+        cache = kvc.allocate_cache(fmt, 1, hkv, d)
+        fn = lambda c, k, v, s: kvc.write_kv_reference(c, k, v, s, k_scale=0.37, v_scale=0.5)
+        text = jax.jit(fn).trace(cache, k, k, slots).lower(lowering_platforms=("cuda",)).as_text()
+        converts = re.findall(r"stablehlo\.convert .*-> tensor<[^>]*x(f8E4M3FN|bf16)>", text)
+        assert not converts, f"{fmt.name}: float converts to {sorted(set(converts))} in the GPU lowering"
+        assert ("stablehlo.reduce_precision" in text) == (kv_dtype == jnp.float32), fmt.name
+
+
 # ---------------------------------------------------------------------------------------------------------
 # jnp quantizers under jit vs the oracle (bit-exact)
 # ---------------------------------------------------------------------------------------------------------
