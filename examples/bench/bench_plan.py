@@ -5,9 +5,9 @@ compiled it to.
 
 A case is tokens,kv_heads[,context]: with a context, the tokens are a chunked prefill at the end of a prompt of that
 many tokens (the block table as wide as the context; the bench_prefill top-k moved to the last blocks). "compile s" is
-XLA's compile time of the builder (the table's width once made it grow: docs/BENCHMARKS.md); on the GPU most of it is
-XLA's fusion autotuner, which --no-fusion-autotuner turns off for this compile (compiler_options). The times are of the
-executable compiled here.
+XLA's compile time of the builder (the table's width once made it grow, and XLA's fusion autotuner took 15-21 s of it
+at 128k on the GPU until the twenty-eighth session: docs/BENCHMARKS.md); --no-fusion-autotuner turns the autotuner off
+for this compile (compiler_options), to compare. The times are of the executable compiled here.
 """
 
 import argparse
