@@ -9,6 +9,7 @@ the decoded values), validation of malformed caches, and allocate_cache.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -231,8 +232,6 @@ def test_quantizers_lowered_for_the_gpu_keep_their_roundings(kv_dtype):
     """What the jnp writer emits for the GPU: no float convert to E4M3 (XLA's GPU backend, excess precision allowed by
     default, drops an fp32 -> E4M3 -> fp32 pair, which made the NVFP4 codes use the unrounded block scale), and fp32
     K/V rounded to bf16 by reduce_precision, never by a bf16 convert pair (dropped alike)."""
-    import re
-
     n, hkv, d = 8, 2, 128
     k = jnp.zeros((n, hkv, d), kv_dtype)
     slots = jnp.arange(n, dtype=jnp.int32)
