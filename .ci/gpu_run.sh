@@ -15,7 +15,8 @@
 #             in .whl/, installed into /tmp/site.
 #   info      nvidia-smi, JAX devices, what jax_msa was built with, HGMMA / HMMA counts in the CUDA module's SASS
 #   test      pytest -m gpu, XLA command buffers as configured (default: on)
-#   test_decode   the same, decode + KV-write + command-buffer tests only (test_gpu_{decode,write_kv,command_buffers})
+#   test_decode   the same, decode + KV-write + command-buffer tests and the examples on the GPU only
+#                 (test_gpu_{decode,write_kv,command_buffers}, test_examples)
 #   test_prefill  the same, prefill tests only (test_gpu_prefill); test_decode + test_prefill = test
 #   test_off  pytest -m gpu with command buffers disabled: small cases and command-buffer tests (FULL=1: all)
 #   test_pipelined  the bf16 prefill tests with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
@@ -147,8 +148,9 @@ stage_test() {
 # `test` in two halves that each fit one device call (the whole suite takes ~9 minutes on the H200, estimated from a
 # cut run, 2026-12-03).
 stage_test_decode() {
-  echo "--- pytest -m gpu: decode, KV write, command buffers (XLA_FLAGS='${XLA_FLAGS:-}')"
-  run_pytest "${LOG_DIR}/junit_gpu_decode.xml" -m gpu -k "test_gpu_decode or test_gpu_write_kv or test_gpu_command_buffers"
+  echo "--- pytest -m gpu: decode, KV write, command buffers, the examples (XLA_FLAGS='${XLA_FLAGS:-}')"
+  run_pytest "${LOG_DIR}/junit_gpu_decode.xml" -m gpu \
+    -k "test_gpu_decode or test_gpu_write_kv or test_gpu_command_buffers or test_examples"
 }
 
 stage_test_prefill() {
