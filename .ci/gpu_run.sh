@@ -5,8 +5,9 @@
 #   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_decode test_prefill test_off test_pipelined
 #                                     test_warp_mma test_natural_order sanitize bench profile compare
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
-#                                     test takes ~9, estimated: a 465 s run did 96 of its 118 tests; so run
-#                                     test_decode, ~4, and test_prefill, ~5, in separate calls, and the default list
+#                                     test takes ~12 on an H100 (170 tests, twenty-eighth session: test_decode
+#                                     120 in ~5.5, test_prefill 50 in ~6.5); so run them in separate calls, and the
+#                                     default list
 #                                     no longer fits one call),
 #                                     test_off + test_pipelined ~4, sanitize ~3: one process a test)
 #

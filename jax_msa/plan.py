@@ -123,9 +123,9 @@ def _selected_edges(ids, n_blk, pos):
     in_range = (ids >= 0) & (ids < n_blk[None, :, None]) & (ids <= jnp.floor_divide(pos, PAGE_SIZE)[None, :, None])
     slot = jnp.arange(k, dtype=jnp.int32)
     # The earlier-copy test as K - 1 elementwise terms, not a K x K `any` reduce: XLA's fusion autotuner spent most
-    # of the plan's GPU compile on that reduce fusion (21 s at 128k tokens on an H100; 0.9 s this way, and the plan
-    # runs as fast as the reduce form did with the autotuner off: 0.69 / 0.80 ms against 0.80 / 0.78 in two calls;
-    # unrolling the rank's reduce below instead left the compile at 18.9 s).
+    # of the plan's GPU compile on that reduce fusion (15-21 s at 128k tokens on an H100; 0.9 s this way, and the plan
+    # runs as fast as the reduce form did with the autotuner off or faster: 0.69 / 0.80 ms against 0.80 / 0.78 in two
+    # calls; unrolling the rank's reduce below instead left the compile at 18.9 s).
     earlier_copy = jnp.zeros(ids.shape, bool)
     for j in range(k - 1):
         earlier_copy = earlier_copy | ((ids == ids[..., j:j + 1]) & (slot > j))

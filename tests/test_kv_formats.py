@@ -214,7 +214,10 @@ def test_rounding_primitives_are_exact():
     x = rng.integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32).view(F32)
     vals = np.arange(0, 127, dtype=np.uint8).view(E4M3).astype(np.float64)
     mids = ((vals[:-1] + vals[1:]) / 2).astype(F32)
-    x = np.concatenate([x, mids, np.nextafter(mids, F32(0)), np.nextafter(mids, F32(1e9)), -mids,
+    # bf16 ties (the low 16 bits 0x8000) with an even and an odd bf16 below them
+    ties = ((rng.integers(0, 2**15, 2000).astype(np.uint32) << 17) | (np.arange(2000, dtype=np.uint32) % 2 << 16)
+            | np.uint32(0x8000)).view(F32)
+    x = np.concatenate([x, mids, np.nextafter(mids, F32(0)), np.nextafter(mids, F32(1e9)), -mids, ties,
                         F32([448, 449, 464, 465, np.inf, -np.inf, 0.0, -0.0, 2.0**-10, 1e-45, -1e-45])])
     got = np.asarray(jax.jit(kvc.e4m3_satfinite)(x)).view(np.uint8)
     finite = ~np.isnan(x)
@@ -239,7 +242,7 @@ def test_quantizers_lowered_for_the_gpu_keep_their_roundings(kv_dtype):
         cache = kvc.allocate_cache(fmt, 1, hkv, d)
         fn = lambda c, k, v, s: kvc.write_kv_reference(c, k, v, s, k_scale=0.37, v_scale=0.5)
         text = jax.jit(fn).trace(cache, k, k, slots).lower(lowering_platforms=("cuda",)).as_text()
-        converts = re.findall(r"stablehlo\.convert .*-> tensor<[^>]*x(f8E4M3FN|bf16)>", text)
+        converts = re.findall(r"stablehlo\.convert .*-> tensor<(?:[^>]*x)?(f8E4M3FN|bf16)>", text)  # scalars too
         assert not converts, f"{fmt.name}: float converts to {sorted(set(converts))} in the GPU lowering"
         assert ("stablehlo.reduce_precision" in text) == (kv_dtype == jnp.float32), fmt.name
 

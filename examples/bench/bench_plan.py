@@ -5,8 +5,8 @@ compiled it to.
 
 A case is tokens,kv_heads[,context]: with a context, the tokens are a chunked prefill at the end of a prompt of that
 many tokens (the block table as wide as the context; the bench_prefill top-k moved to the last blocks). "compile s" is
-XLA's compile time of the builder (the table's width once made it grow, and XLA's fusion autotuner took 15-21 s of it
-at 128k on the GPU until the twenty-eighth session: docs/BENCHMARKS.md); --no-fusion-autotuner turns the autotuner off
+XLA's compile time of the builder (the table's width once made it grow, and it took 15-21 s at 128k on the GPU until
+the twenty-eighth session, most of it XLA's fusion autotuner: docs/BENCHMARKS.md); --no-fusion-autotuner turns the autotuner off
 for this compile (compiler_options), to compare. The times are of the executable compiled here.
 """
 
@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="32k only (the gpu_run.sh bench stage)")
     ap.add_argument("--no-fusion-autotuner", action="store_true",
                     help="compile with compiler_options={'xla_gpu_experimental_enable_fusion_autotuner': False} (on "
-                         "the GPU it spends most of the plan's compile time: docs/BENCHMARKS.md)")
+                         "the GPU it spent most of the plan's compile time until the twenty-eighth session: docs/BENCHMARKS.md)")
     args = ap.parse_args()
     print("| N | Hkv | context | plan ms (median) | p10-p90 | compile s | sort / scatter ops |")
     print("|---|---|---|---|---|---|---|")
