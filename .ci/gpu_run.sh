@@ -7,8 +7,7 @@
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
 #                                     test takes ~12 on an H100 (170 tests, twenty-eighth session: test_decode
 #                                     120 in ~5.5, test_prefill 50 in ~6.5); so run them in separate calls, and the
-#                                     default list
-#                                     no longer fits one call),
+#                                     default list no longer fits one call),
 #                                     test_off + test_pipelined ~4, sanitize ~3: one process a test)
 #
 #   build     dist/*.whl present: install that wheel into /tmp/site; otherwise build in-tree with

@@ -27,6 +27,7 @@ ATTENTION_LINE = re.compile(rf"^(sparse_attention|sparse_decode)\s+(.*?)\s+[0-9.
                             rf"\(max\|ref\| {NUMBER}\), max\|lse - ref\| {NUMBER}$")
 WRITE_LINE = re.compile(r"^write_kv\s+(.*?)\s+[0-9.]+ ms\s+bytes differing from the reference: (\d+)$")
 LSE_BOUND = 2e-5
+KERNEL_OF = {"sparse_attention": "kernel jax_msa_prefill", "sparse_decode": "kernel jax_msa_decode"}  # as printed
 
 
 def run_example(name: str, *args: str) -> list[str]:
@@ -65,7 +66,7 @@ def test_quickstart_runs_the_kernels_and_matches_the_reference(fmt):
     assert int(write.group(2)) == 0  # the CPU quantizer is the reference's, byte for byte
     for m in attention:
         op, ran, err, max_ref, lse_err = m.group(1), m.group(2), float(m.group(3)), float(m.group(4)), float(m.group(5))
-        assert ran == {"sparse_attention": "kernel jax_msa_prefill", "sparse_decode": "kernel jax_msa_decode"}[op]
+        assert ran == KERNEL_OF[op]
         assert err <= bf16_step(max_ref), f"{op}: max|out - ref| {err} beyond one bf16 step at max|ref| {max_ref}"
         assert lse_err <= LSE_BOUND, f"{op}: max|lse - ref| {lse_err}"
 
@@ -79,8 +80,7 @@ def test_quickstart_on_the_gpu(fmt):
     assert write.group(1) == "kernel jax_msa_write_kv"
     assert int(write.group(2)) == 0  # the CUDA quantizer is byte-exact with the jnp one (test_gpu_write_kv.py)
     for m in attention:
-        assert m.group(2) == {"sparse_attention": "kernel jax_msa_prefill",
-                              "sparse_decode": "kernel jax_msa_decode"}[m.group(1)]
+        assert m.group(2) == KERNEL_OF[m.group(1)]
         assert math.isfinite(float(m.group(3))) and math.isfinite(float(m.group(5)))
 
 
