@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "common/kv_format.h"
+#include "sm80/common/register_budget.h"
 #include "sm80/common/warp_mma.cuh"
 
 namespace jax_msa::sm80::decode {
@@ -97,10 +98,6 @@ struct FormatTraits<KvFormat::kNvfp4> {
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
 };
 
-// Shared memory an SM offers its CTAs on sm_90 / sm_100 (228 KB, 1 KB of it reserved per CTA; the footprint below
-// counts that reserve)
-constexpr int kSm90SharedBytes = 227 * 1024;
-
 // Shared-memory plan: [stages | Q fragments (kQFragmentsInShared)] dynamic; the chunk table and the merge
 // statistics are static arrays
 template <KvFormat F>
@@ -132,20 +129,12 @@ struct SharedPlan {
 };
 
 // The CTAs an SM the kernel's registers are budgeted for (__launch_bounds__' second argument): kCtasPerSm, capped by
-// what the shared memory of the architecture being compiled holds (sm_86 / sm_89 / sm_120: 100 KB an SM; sm_80 /
-// sm_87: 164 KB; sm_90 / sm_100: kSm90SharedBytes), so that a GPU which can never run kCtasPerSm of them does not get
-// their register cap (FP8's 4 CTAs an SM would spill on sm_120, where one fits). On sm_90 and sm_100 it is kCtasPerSm.
+// what the shared memory of the architecture being compiled holds (register_budget.h), so that a GPU which can never
+// run kCtasPerSm of them does not get their register cap (FP8's 4 CTAs an SM would spill on sm_120, where one fits).
+// On sm_90 and sm_100 it is kCtasPerSm.
 template <KvFormat F>
 constexpr int register_budget_ctas() {
-#if defined(__CUDA_ARCH__)
-  constexpr int kSmemPerSm = __CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200 ? 100 * 1024
-                             : __CUDA_ARCH__ >= 900                                                ? kSm90SharedBytes
-                                                                                                  : 164 * 1024;
-  constexpr int kFit = kSmemPerSm / SharedPlan<F>::kSmFootprintBytes;
-  return kFit < 1 ? 1 : (kFit < FormatTraits<F>::kCtasPerSm ? kFit : FormatTraits<F>::kCtasPerSm);
-#else
-  return FormatTraits<F>::kCtasPerSm;
-#endif
+  return sm80::register_budget_ctas(FormatTraits<F>::kCtasPerSm, SharedPlan<F>::kSmFootprintBytes);
 }
 
 }  // namespace jax_msa::sm80::decode

@@ -7,13 +7,14 @@
 //   MMA rows : tile row R = i * G + h (query i of the tile, head h of the group), 16 rows a warp, mma.sync
 //              m16n8k16 bf16 -> fp32 (8 warps = 128 rows = 8 tokens x 16 heads for M3); the query tile is
 //              gathered into shared memory (cp.async) and read with ldmatrix, so that a thread holds only its
-//              O accumulator (64 fp32) and one 32-key slice of scores: <= 128 registers, two CTAs an SM, one
-//              CTA's loads overlapping the other's MMAs
+//              O accumulator (64 fp32) and one 32-key slice of scores: <= 128 registers, two CTAs an SM on sm_90 /
+//              sm_100, one CTA's loads overlapping the other's MMAs (one CTA elsewhere: register_budget_ctas)
 //   softmax  : per warp over 32-key slices of the block (online), causal mask per row (key <= position)
 //   output   : one normalized partial (O fp32, lse) per (query, selected block) at the plan's rank slot; the
 //              combine kernel merges each query's partials by log-sum-exp
 #pragma once
 #include "common/kv_format.h"
+#include "sm80/common/register_budget.h"
 #include "sm80/decode/config.h"
 
 namespace jax_msa::sm80::prefill {
@@ -45,7 +46,10 @@ struct SharedPlan {
   static constexpr int kRawHalfBytes = kDequantized ? T::kStageBytes : kTileHalfBytes;
   static constexpr int kBytes = kQueryOffset + kQueryBytes;
   static_assert(!kDequantized || 2 * T::kStageBytes <= kQueryBytes, "raw block fits the query region");
-  static_assert(kCtasPerSm * kBytes <= 227 * 1024 - kCtasPerSm * 4096, "two CTAs an SM");
+  // What one CTA takes of an SM's shared memory: the dynamic bytes, the static arrays (the tile's queries, NVFP4's
+  // decode table: < 3 KB) and the driver's 1 KB reserve
+  static constexpr int kSmFootprintBytes = kBytes + 4 * 1024;
+  static_assert(kCtasPerSm * kSmFootprintBytes <= kSm90SharedBytes, "two CTAs an SM on sm_90 / sm_100");
   // <= 96 KB dynamic + a few KB of static arrays: within the 99 KB per-block limit of sm_86 / sm_89 / sm_120,
   // so the same kernels launch on every sm_80+ GPU.
   static_assert(kBytes <= 96 * 1024, "fits every sm_80+ GPU");
@@ -59,5 +63,13 @@ struct PipelinedPlan {
   static constexpr int kBytes = kStages * kStageBytes;
   static_assert(kBytes <= 227 * 1024 - 4096, "two stages in one CTA (sm_80 / sm_90 / sm_100 shared memory)");
 };
+
+// The CTAs an SM the kernel's registers are budgeted for (__launch_bounds__' second argument): kCtasPerSm on sm_90 /
+// sm_100; one on sm_80, sm_86, sm_89 and sm_120, whose shared memory holds one CTA of ~100 KB (register_budget.h), so
+// that those do not spill under a two-CTA register cap they can never use.
+template <KvFormat F>
+constexpr int register_budget_ctas() {
+  return sm80::register_budget_ctas(kCtasPerSm, SharedPlan<F>::kSmFootprintBytes);
+}
 
 }  // namespace jax_msa::sm80::prefill

@@ -164,7 +164,7 @@ __device__ __forceinline__ void attend_tile(const PrefillParams& p, const PlanVi
 }
 
 template <KvFormat F>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm) sparse_prefill_kernel(const PrefillParams p) {
+__global__ void __launch_bounds__(kThreads, register_budget_ctas<F>()) sparse_prefill_kernel(const PrefillParams p) {
   using Plan = SharedPlan<F>;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ TileQueries s_tq;
