@@ -166,7 +166,8 @@ def div_rn(a, b):
 
 
 def e4m3_satfinite(x):
-    """fp32 -> float8_e4m3fn, round to nearest even, saturating at +-448 (NaN stays NaN), in integer arithmetic.
+    """fp32 -> float8_e4m3fn, round to nearest even, saturating at +-448, in integer arithmetic. A NaN of either sign
+    or payload gives the one code 0x7F, as the C++ / CUDA quantizer (cc/common/numeric.h) does.
 
     Not `astype(float8_e4m3fn)`: the code is built as an integer and bitcast, so that XLA cannot drop the rounding.
     With excess precision allowed (XLA's GPU default), `x.astype(e4m3).astype(f32)` in one computation returns x
@@ -190,8 +191,9 @@ def e4m3_satfinite(x):
     # kept counts quanta: code = (max(e, -6) + 6) * 8 + kept covers subnormals (kept < 8), normals (kept in
     # [8, 16)) and the carry into the next binade (kept == 16); |x| <= 448 keeps it <= 0x7E.
     code = (jnp.maximum(e, -6) + 6).astype(u32) * u32(8) + kept
-    code = jnp.where(field == 0xFF, u32(0x7F), code)  # NaN (clip left no infinity)
-    return jax.lax.bitcast_convert_type((code | sign).astype(jnp.uint8), jnp.float8_e4m3fn)
+    nan = field == 0xFF  # (clip left no infinity)
+    code = jnp.where(nan, u32(0x7F), code | sign)
+    return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
 
 
 # E2M1 magnitudes by code (3 bits); bit 3 is the sign.
@@ -250,7 +252,8 @@ def quantize_nvfp4(x, global_scale=1.0):
     """[..., D] values -> (data uint8 [..., D/2], scales float8_e4m3fn [..., D/16]) per MSA.md section 4.
 
     Round to bf16; amax per 16-group; sf = e4m3_satfinite(max((max(amax, 1e-12) / 6) / global, 2^-9));
-    code = RNE_satfinite_e2m1((x / global) / sf) with fp32 (correctly rounded) divisions.
+    code = RNE_satfinite_e2m1((x / global) / sf) with fp32 (correctly rounded) divisions. A group holding a NaN
+    (outside MSA.md's contract) reads back as 16 NaNs: scale byte 0x7F, data bytes 0, as cc/common/quantize.h.
     """
     x = jnp.asarray(x)
     d = x.shape[-1]
@@ -259,9 +262,12 @@ def quantize_nvfp4(x, global_scale=1.0):
     gs = jnp.asarray(global_scale, jnp.float32)
     xb = round_to_bf16(x)
     groups = xb.reshape(*x.shape[:-1], d // NVFP4_GROUP, NVFP4_GROUP)
-    amax = jnp.max(jnp.abs(groups), axis=-1)
+    has_nan = jnp.any(jnp.isnan(groups), axis=-1)
+    amax = jnp.max(jnp.where(jnp.isnan(groups), 0.0, jnp.abs(groups)), axis=-1)
     sf = e4m3_satfinite(jnp.maximum(div_rn(div_rn(jnp.maximum(amax, 1e-12), 6.0), gs), _MIN_NVFP4_SCALE))
+    sf = jnp.where(has_nan, jax.lax.bitcast_convert_type(jnp.uint8(0x7F), jnp.float8_e4m3fn), sf)
     codes = e2m1_encode(div_rn(div_rn(groups, gs), sf.astype(jnp.float32)[..., None]))
+    codes = jnp.where(has_nan[..., None], jnp.uint8(0), codes)
     codes = codes.reshape(*x.shape[:-1], d // 2, 2)
     data = codes[..., 0] | (codes[..., 1] << 4)
     return data.astype(jnp.uint8), sf

@@ -2,7 +2,8 @@
 
 For every format (bf16, FP8, NVFP4), D in {64, 128} and Hkv in {1, 4}: k / v groups drawn from the corner
 cases of MSA.md section 4 (E2M1 midpoint ties, values that saturate E4M3 / E2M1, scales that land in or
-below the E4M3 subnormal range, negative zeros, all-zero groups, bf16 subnormals, the bf16 maximum), slots
+below the E4M3 subnormal range, negative zeros, all-zero groups, bf16 subnormals, the bf16 maximum; for FP8 /
+NVFP4 also groups holding a NaN of either sign, which docs/FORMATS.md maps to one code each), slots
 with -1, negative, out-of-range and INT32_MAX entries, and a cache pre-filled with random (NaN-free) bytes
 so that any stray write is caught. The expected cache is jax_msa.reference.write_kv computed on the CPU
 device (its divisions are the correctly rounded kvc.div_rn). Also: donation updates the cache in place,
@@ -41,12 +42,13 @@ def _cpu():
     return jax.devices("cpu")[0]
 
 
-def _corner_case_values(rng, shape, global_scale: float) -> np.ndarray:
-    """float32 [..., D] (D % 16 == 0) built from 16-value groups of one kind each."""
+def _corner_case_values(rng, shape, global_scale: float, nan_groups: bool = False) -> np.ndarray:
+    """float32 [..., D] (D % 16 == 0) built from 16-value groups of one kind each; with nan_groups, some groups hold
+    a NaN (FP8: one code 0x7F; NVFP4: scale byte 0x7F, data 0)."""
     *lead, d = shape
     groups = int(np.prod(lead)) * (d // 16)
     out = rng.standard_normal((groups, 16)).astype(np.float32) * 2.0
-    kind = rng.integers(0, 9, groups)
+    kind = rng.integers(0, 10 if nan_groups else 9, groups)
     for i in range(groups):
         k = kind[i]
         if k == 1:  # exact E2M1 ties: amax = 6 * 2^e * global, the rest midpoints * 2^e * global
@@ -67,6 +69,8 @@ def _corner_case_values(rng, shape, global_scale: float) -> np.ndarray:
             out[i] = -0.0
         elif k == 7:  # bf16 subnormals
             out[i] *= 1e-39
+        elif k == 9:  # a NaN of either sign among finite values
+            out[i, rng.integers(0, 16)] = rng.choice([np.nan, -np.nan])
     return out.reshape(shape)
 
 
@@ -124,8 +128,9 @@ def _problem(fmt, d, hkv, seed, n=300, pages=4):
     # Hkv = 1: default scales (None = 1.0); Hkv = 4: a power-of-two K scale (ties stay exact) and an
     # arbitrary V scale.
     k_scale, v_scale = (0.5, 0.0371) if (quantized and hkv == 4) else (None, None)
-    k = _corner_case_values(rng, (n, hkv, d), 1.0 if k_scale is None else k_scale).astype(ml_dtypes.bfloat16)
-    v = _corner_case_values(rng, (n, hkv, d), 1.0 if v_scale is None else v_scale).astype(ml_dtypes.bfloat16)
+    k_gs, v_gs = 1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale
+    k = _corner_case_values(rng, (n, hkv, d), k_gs, quantized).astype(ml_dtypes.bfloat16)
+    v = _corner_case_values(rng, (n, hkv, d), v_gs, quantized).astype(ml_dtypes.bfloat16)
     slots = _random_slots(rng, n, pages)
     cache = _random_cache(rng, fmt, pages, hkv, d)
     return cache, k, v, slots, k_scale, v_scale

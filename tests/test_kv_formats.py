@@ -39,9 +39,11 @@ def np_bf16(x):
 
 
 def np_e4m3_bits(x):
-    """fp32 -> E4M3 byte, round to nearest even, saturating at +-448. ml_dtypes rounds correctly but turns
-    |x| >= 464 into NaN, hence the clip."""
-    return np.clip(np.asarray(x, F32), F32(-448), F32(448)).astype(E4M3).view(np.uint8)
+    """fp32 -> E4M3 byte, round to nearest even, saturating at +-448; a NaN of either sign gives 0x7F (docs/FORMATS.md).
+    ml_dtypes rounds correctly but turns |x| >= 464 into NaN, hence the clip."""
+    x = np.asarray(x, F32)
+    bits = np.clip(x, F32(-448), F32(448)).astype(E4M3).view(np.uint8)
+    return np.where(np.isnan(x), np.uint8(0x7F), bits)
 
 
 def np_e4m3_value(bits):
@@ -69,9 +71,14 @@ def np_quantize_nvfp4(x, global_scale):
     d = xb.shape[-1]
     groups = xb.reshape(*xb.shape[:-1], d // 16, 16)
     gs = F32(global_scale)
+    # a group holding a NaN (outside MSA.md's contract) reads back as 16 NaNs: scale byte 0x7F, data bytes 0
+    has_nan = np.isnan(groups).any(axis=-1)
+    groups = np.where(has_nan[..., None], F32(0), groups)
     amax = np.abs(groups).max(axis=-1)
     sf = np_e4m3_bits(np.maximum((np.maximum(amax, F32(1e-12)) / F32(6)) / gs, F32(2.0**-9)))
-    codes = np_e2m1_code((groups / gs) / np_e4m3_value(sf)[..., None]).reshape(xb.shape)
+    sf = np.where(has_nan, np.uint8(0x7F), sf)
+    codes = np_e2m1_code((groups / gs) / np_e4m3_value(sf)[..., None])
+    codes = np.where(has_nan[..., None], np.uint8(0), codes).reshape(xb.shape)
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), sf
 
 
@@ -222,7 +229,8 @@ def test_rounding_primitives_are_exact():
     got = np.asarray(jax.jit(kvc.e4m3_satfinite)(x)).view(np.uint8)
     finite = ~np.isnan(x)
     np.testing.assert_array_equal(got[finite], np_e4m3_bits(x[finite]))
-    assert ((got[~finite] & 0x7F) == 0x7F).all()  # NaN stays NaN
+    assert (got[~finite] == 0x7F).all()  # NaN of either sign -> the one code 0x7F, as cc/common/numeric.h
+    assert (np.signbit(x[~finite])).any() and (~np.signbit(x[~finite])).any()
     got = np.asarray(jax.jit(kvc.round_to_bf16)(x))
     with np.errstate(invalid="ignore"):
         want = x.astype(BF16).astype(F32)
@@ -308,6 +316,7 @@ def fp8_inputs(rng, scale):
     x[64:128] = 0.0
     x[128:192] = F32(scale) * rng.uniform(448, 5e4, 64).astype(F32) * rng.choice([-1, 1], 64)  # > 448*scale
     x[192:194] = [np.inf, -np.inf]  # saturate too
+    x[194:198] = [np.nan, -np.nan, np.uint32(0x7FC0_1234).view(F32), np.uint32(0xFF80_0001).view(F32)]  # -> 0x7F
     sens = fp8_division_sensitive(scale)  # exhaustive over bf16: 2 (scale 0.3) to 126 (exact ties)
     assert sens.size >= 1
     x[200:200 + sens.size] = sens * rng.choice([-1, 1], sens.size)
@@ -331,6 +340,7 @@ def test_quantize_fp8_matches_numpy(scale):
     got = np.asarray(_quantize_fp8_jit(x, F32(scale)))
     np.testing.assert_array_equal(got, np_quantize_fp8(x, scale))
     assert (got[128:194] & 0x7F == 0x7E).all()  # saturated at 448, never NaN
+    assert (got[194:198] == 0x7F).all()  # NaN inputs (either sign, any payload): one code
     assert (got[:64] == 0x80).all() and (got[64:128] == 0).all()
 
 
@@ -402,6 +412,9 @@ def nvfp4_edge_rows(rng, global_scale):
         special.append(np.concatenate([[F32(-3.0) * g], np.full(15, F32(-0.0))]))  # -0 next to a value
         special.append((grp * 0.0).astype(F32))  # signed zeros
         special.append(np.concatenate([F32([np.inf, -np.inf]), grp[2:]]))  # infinities saturate
+        # NaN of either sign (a quiet and a signalling payload) among finite values or an infinity: 16 NaNs
+        special.append(np.where(np.arange(16) == rng.integers(0, 16), rng.choice(F32([np.nan, -np.nan])), grp))
+        special.append(np.concatenate([[np.uint32(0xFF80_0001).view(F32), F32(np.inf)], grp[2:] * F32(1e5)]))
     special.append(nvfp4_division_sensitive_groups(rng, global_scale, 16).reshape(-1))
     rows.append(np.concatenate(special).astype(F32).reshape(-1, 128))
     return np.concatenate(rows)
@@ -417,6 +430,9 @@ def test_quantize_nvfp4_matches_numpy(global_scale):
     np.testing.assert_array_equal(np.asarray(data), want_data)
     # The edge cases really were hit.
     assert (want_sf == 0x7E).any() and (want_sf == 0x01).any() and ((want_sf > 1) & (want_sf < 8)).any()
+    nan_groups = np.isnan(x.reshape(-1, 16)).any(-1)
+    assert nan_groups.sum() >= 32 and (want_sf.reshape(-1)[nan_groups] == 0x7F).all()
+    assert (want_data.reshape(-1, 8)[nan_groups] == 0).all()
     nib = np.stack([want_data & 0xF, want_data >> 4], -1).reshape(x.shape)
     assert not (nib == 8).any()  # zero is always +0
     xb = np_bf16(x)
