@@ -113,7 +113,9 @@ def div_rn(a, b):
 
     XLA's CPU backend computes fp32 division approximately (off by an ulp for about 1 in 10 inputs), and
     the quantizers must agree bit for bit with the CUDA kernels and with numpy. Exact for every finite a
-    and finite nonzero b, subnormal operands and results included; other cases fall back to a / b.
+    and finite nonzero b, subnormal operands and results included; the IEEE results of the other cases
+    (infinities, zeros, NaN) are assembled as bits too: XLA may compute `a / b` as `a * (1 / b)`, which turns
+    inf / 2^127 into inf * 0 = NaN.
     """
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
@@ -159,9 +161,16 @@ def div_rn(a, b):
     a_zero = ma == 0  # not `(ua & 0x7fffffff) == 0`: XLA rewrites that into a float compare
     # b != 0 on the normalized mantissa too: XLA turns `(ub & 0x7fffffff) != 0` into a float compare that
     # flushes a subnormal b to zero.
-    finite = (((ua >> 23) & u32(0xFF)) != 0xFF) & (((ub >> 23) & u32(0xFF)) != 0xFF) & (mb != 0)
-    fallback = jax.lax.bitcast_convert_type(a / b, u32)
-    out = jnp.where(finite, jnp.where(a_zero, sign, bits | sign), fallback)
+    a_special = ((ua >> 23) & u32(0xFF)) == 0xFF  # inf or NaN
+    b_special = ((ub >> 23) & u32(0xFF)) == 0xFF
+    b_zero = mb == 0
+    finite = ~a_special & ~b_special & ~b_zero
+    a_nan = a_special & ((ua & u32(0x7FFFFF)) != 0)
+    b_nan = b_special & ((ub & u32(0x7FFFFF)) != 0)
+    nan = a_nan | b_nan | (a_special & b_special) | (a_zero & b_zero)
+    # not NaN: inf / finite and finite / 0 -> inf; finite / inf -> 0 (signs xor)
+    special = jnp.where(nan, u32(0x7FC00000), jnp.where(a_special | b_zero, u32(0x7F800000) | sign, sign))
+    out = jnp.where(finite, jnp.where(a_zero, sign, bits | sign), special)
     return jax.lax.bitcast_convert_type(out, jnp.float32)
 
 

@@ -212,6 +212,21 @@ def test_div_rn_is_correctly_rounded():
         want = a / b
     got = np.asarray(jax.jit(kvc.div_rn)(a, b))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # the non-finite cases, IEEE (NaN only as NaN), also with b a compile-time constant, which XLA may turn into
+    # a multiplication by 1 / b (inf * (1 / 2^127) = NaN on its CPU backend)
+    special = F32([np.inf, -np.inf, np.nan, 0.0, -0.0, 1.5, -2.0**-149, 3e38])
+    a2, b2 = (x.reshape(-1) for x in np.meshgrid(special, special))
+    with np.errstate(all="ignore"):
+        want = a2 / b2
+    got = np.asarray(jax.jit(kvc.div_rn)(a2, b2))
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), list(zip(a2[~same], b2[~same], got[~same]))
+    for s in (F32(2.0**127), F32(-0.0), F32(2.0**-149)):
+        got = np.asarray(jax.jit(lambda x, s=s: kvc.div_rn(x, s))(special))
+        with np.errstate(all="ignore"):
+            want = special / s
+        same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), (s, list(zip(special[~same], got[~same])))
 
 
 def test_rounding_primitives_are_exact():

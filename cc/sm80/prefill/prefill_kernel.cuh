@@ -1,5 +1,6 @@
-// Warp-MMA (sm_80+) sparse prefill kernel: one plan work item a CTA, two CTAs an SM (see config.h). Writes one normalized partial and its
-// lse per (query, selected block); combine_partials.cu merges them. Reads the plan only through PlanView.
+// Warp-MMA (sm_80+) sparse prefill kernel: one plan work item a CTA, two CTAs an SM on sm_90 / sm_100 (see config.h).
+// Writes one normalized partial and its lse per (query, selected block); combine_partials.cu merges them. Reads the
+// plan only through PlanView.
 #pragma once
 #include <cuda_bf16.h>
 
