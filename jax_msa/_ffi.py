@@ -219,8 +219,10 @@ def prefill_window_call(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table
 
 
 def decode_call(q, kv_cache, scales, topk, seq_lens, block_table, *, softmax_scale: float, kv_format: int,
-                decode_query_len: int, workspace: DecodeWorkspace):
-    """The decode custom call. Returns (out, lse)."""
+                decode_query_len: int, workspace: DecodeWorkspace, return_workspace: bool = False):
+    """The decode custom call. Returns (out, lse), and with return_workspace the split workspaces too (partial_o
+    [S, T, Hq, D] f32, partial_lse [S, T, Hq] f32; empty when S <= 1): where a build with the decode timeline
+    (cuda_build_options()['decode_timeline']) leaves its per-CTA timestamps (examples/bench/decode_timeline.py)."""
     s = workspace.num_splits
 
     def one_call(q, kv_cache, scales, topk, seq_lens, block_table):
@@ -231,14 +233,16 @@ def decode_call(q, kv_cache, scales, topk, seq_lens, block_table, *, softmax_sca
             TARGET_DECODE,
             (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, hq), jnp.float32), po, pl),
             vmap_method="sequential")
-        out, lse, _, _ = call(q, kv_cache, scales, topk, seq_lens, block_table,
-                              softmax_scale=np.float32(softmax_scale), kv_format=np.int32(kv_format),
-                              decode_query_len=np.int32(decode_query_len))
-        return out, lse
+        out, lse, partial_o, partial_lse = call(q, kv_cache, scales, topk, seq_lens, block_table,
+                                                softmax_scale=np.float32(softmax_scale), kv_format=np.int32(kv_format),
+                                                decode_query_len=np.int32(decode_query_len))
+        return (out, lse, partial_o, partial_lse) if return_workspace else (out, lse)
 
+    args = (q, kv_cache, scales, topk.astype(jnp.int32), seq_lens.astype(jnp.int32), block_table.astype(jnp.int32))
+    if return_workspace:  # a diagnostic: the call as it is, no vmap rule for the workspaces
+        return one_call(*args)
     # jax.vmap folds a vmapped axis into the decode batch (one call) instead of looping; see _batching.
-    return _batching.fold_decode_batch(one_call, decode_query_len)(
-        q, kv_cache, scales, topk.astype(jnp.int32), seq_lens.astype(jnp.int32), block_table.astype(jnp.int32))
+    return _batching.fold_decode_batch(one_call, decode_query_len)(*args)
 
 
 def write_kv_call(kv_cache, k, v, slot_mapping, scales, *, kv_format: int):

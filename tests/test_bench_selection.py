@@ -77,3 +77,49 @@ def test_plan_completion_schedules_cover_every_edge_once():
     done, first = plan_completion.completion(hkv, n, g, np.asarray(plan.edge_query)[g, edge],
                                              plan_completion.round_robin_times(n_items, 7, 3)[item])
     assert ((done > 0) == (counts > 0)).all() and (first[counts > 0] <= done[counts > 0]).all()
+
+
+def test_decode_timeline_reads_the_workspace_layout():
+    """decode_timeline.py's reader: 16 u64 a CTA at the start of the split workspace (cc/sm80/decode/timeline.cuh),
+    and decode_call(return_workspace=True) hands the workspaces back with their shapes (here through the CPU handler,
+    which leaves them alone)."""
+    import jax
+    import jax.numpy as jnp
+
+    import decode_timeline
+    from jax_msa import _ffi
+
+    splits, t, hq, d, ctas = 4, 3, 16, 128, 4 * 2 * 3
+    want = np.arange(ctas * decode_timeline.WORDS, dtype=np.uint64).reshape(ctas, decode_timeline.WORDS)
+    po = np.zeros((splits, t, hq, d), np.float32)
+    po.reshape(-1)[: want.size * 2] = want.reshape(-1).view(np.float32)
+    np.testing.assert_array_equal(decode_timeline.stamps(po, ctas), want)
+
+    hkv, k, pages = 2, 4, 8
+    q = jnp.zeros((t, hq, d), jnp.bfloat16)
+    cache = jnp.zeros((pages, hkv, 128, 2 * d), jnp.bfloat16)
+    topk = jnp.zeros((hkv, t, k), jnp.int32)
+    seq, bt = jnp.full((t,), 128, jnp.int32), jnp.zeros((t, 1), jnp.int32)
+    out = jax.jit(lambda *a: _ffi.decode_call(*a, softmax_scale=0.1, kv_format=0, decode_query_len=1,
+                                              workspace=_ffi.DecodeWorkspace(splits), return_workspace=True))(
+        q, cache, _ffi.pack_scales(None, None, None), topk, seq, bt)
+    assert [x.shape for x in out] == [(t, hq, d), (t, hq), (splits, t, hq, d), (splits, t, hq)]
+
+
+def test_decode_timeline_summary(capsys):
+    """decode_timeline.summarize on synthetic stamps: per-phase durations and the cluster wait come out as built."""
+    import decode_timeline
+
+    splits, ctas = 4, 8  # two clusters of 4
+    r = np.zeros((ctas, decode_timeline.WORDS), np.int64)
+    r[:, 0:7] = 1000 + np.array([0, 100, 400, 500, 700, 750, 760])  # ns
+    r[:, 3] += np.tile([0, 10, 20, 30], 2)  # staged partials 0-30 ns apart within each cluster
+    r[:, 4:7] += 30
+    r[:, 8:15] = np.array([0, 190, 760, 950, 1330, 1425, 1444])
+    r[:, 15] = (7 << 32) | 2
+    decode_timeline.summarize("x", splits, [r, r.copy()])
+    text = capsys.readouterr().out
+    assert "| chunk table | 100 | 100 | 100 | 190 |" in text
+    assert "| loop | 300 | 300 | 300 | 570 |" in text
+    assert "| wait for the cluster's last partial | 15 |" in text
+    assert "| kernel span (first entry to last exit) | 790 |" in text

@@ -27,6 +27,9 @@
 #ifndef JAX_MSA_SM90_PREFILL_BULK_STORE  // (likewise)
 #define JAX_MSA_SM90_PREFILL_BULK_STORE 0
 #endif
+#ifndef JAX_MSA_DECODE_TIMELINE  // (likewise)
+#define JAX_MSA_DECODE_TIMELINE 0
+#endif
 #ifndef JAX_MSA_CUDA_ARCHS_CSV
 #error "JAX_MSA_CUDA_ARCHS_CSV (the CMAKE_CUDA_ARCHITECTURES list, comma-separated) must be defined by CMake"
 #endif
@@ -103,10 +106,12 @@ NB_MODULE(_jax_msa_cuda, m) {
         nanobind::dict d;
         d["sm90_prefill_pingpong"] = bool(JAX_MSA_SM90_PREFILL_PINGPONG);
         d["sm90_prefill_bulk_store"] = bool(JAX_MSA_SM90_PREFILL_BULK_STORE);
+        d["decode_timeline"] = bool(JAX_MSA_DECODE_TIMELINE);
         return d;
       },
-      "Build switches compiled into this module: {'sm90_prefill_pingpong': bool, 'sm90_prefill_bulk_store': bool} "
-      "(CMake JAX_MSA_SM90_PREFILL_PINGPONG and JAX_MSA_SM90_PREFILL_BULK_STORE, experiments, off by default).");
+      "Build switches compiled into this module: {'sm90_prefill_pingpong': bool, 'sm90_prefill_bulk_store': bool, "
+      "'decode_timeline': bool} (CMake JAX_MSA_SM90_PREFILL_PINGPONG and JAX_MSA_SM90_PREFILL_BULK_STORE, experiments; "
+      "JAX_MSA_DECODE_TIMELINE, a diagnostic; all off by default).");
   m.def(
       "decode_merge_launches",
       []() {

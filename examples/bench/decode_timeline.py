@@ -1,0 +1,121 @@
+"""Where a decode call's time goes, phase by phase, stamped on the GPU (run on the GPU machine).
+
+Needs a diagnostic build of the CUDA module, never one for serving:
+
+    JAX_MSA_CUDA=ON JAX_MSA_CUDA_ARCHS=90a-real JAX_MSA_DECODE_TIMELINE=ON BUILD_DIR=build/timeline \\
+        .ci/build_inplace.sh
+
+In it, every decode CTA that merges its split inside a thread-block cluster (split-K on sm_90+, the default there)
+stamps the global nanosecond timer and its SM's cycle counter at its phase boundaries (cc/sm80/decode/timeline.cuh)
+into the split workspace, which jax_msa._ffi.decode_call(return_workspace=True) hands back. For each case the call
+runs on `--calls` rotating top-k sets (as bench_decode.py draws them), one jitted call at a time with the L2 flushed
+before each (a 256 MB read and write; `--no-flush` keeps what the previous call left), and the stamps of every call
+are pooled. Printed per case:
+
+- per phase, over the CTAs: duration in ns (median, p90, max) and in cycles (median);
+- the kernel's span (first CTA entry to last CTA exit, ns), the spread of the CTAs' entries and exits;
+- the cluster skew: per CTA, how long its staged partial waited for the cluster's last sibling (ns, median / max).
+
+    python examples/bench/decode_timeline.py --case 64/4,1,32768,1,FP8 --case 16/1,32,32768,1,BF16
+"""
+
+import argparse
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_decode import K, block_bytes, make_inputs
+from jax_msa import KVFormat, _ffi, ops
+
+PHASES = ["chunk table", "loop", "warp merge", "cluster barrier", "cluster merge", "exit barrier"]
+WORDS = 16  # u64 a CTA (cc/sm80/decode/timeline.cuh: kTimelineWords)
+
+
+def stamps(partial_o, ctas):
+    """[ctas, 16] uint64 from the workspace: [0, 7) ns at each phase, [8, 15) cycles, [15] smid << 32 | chunks."""
+    raw = np.asarray(partial_o).reshape(-1).view(np.uint64)
+    return raw[: ctas * WORDS].reshape(ctas, WORDS)
+
+
+def run_case(case, calls, splits_override, flush):
+    heads, batch, context, q_len, fmt = case.split(",")
+    hq, hkv = (int(x) for x in heads.split("/"))
+    batch, context, q_len, fmt = int(batch), int(context), int(q_len), KVFormat[fmt]
+    cfg = types.SimpleNamespace(batch=batch, num_kv_heads=hkv, topk=K, kv_format=fmt)
+    splits = splits_override or ops.decode_num_splits(cfg, q_len)
+    if splits <= 1:
+        print(f"| {case} | one split: no cluster merge, no stamps |")
+        return
+    rng = np.random.default_rng(0)
+    pool = min(batch * context // 128, max(4096, int(8e9 // (block_bytes(fmt) * hkv))))
+    q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, calls, pool)
+    scale = 1.0 if fmt == KVFormat.BF16 else 0.5
+    scales = _ffi.pack_scales(None, jnp.float32(scale), jnp.float32(scale))
+    call = jax.jit(lambda q, c, t, s, b: _ffi.decode_call(
+        q, c, scales, t, s, b, softmax_scale=128 ** -0.5, kv_format=int(fmt), decode_query_len=q_len,
+        workspace=_ffi.DecodeWorkspace(splits), return_workspace=True))
+    ctas = splits * hkv * batch * q_len
+    jax.block_until_ready(call(q, cache, topks[0], seq, bt))  # compile, warm up
+    evict = jax.jit(lambda x: x + 1.0)
+    buf = jnp.zeros((64 << 20,), jnp.float32)  # 256 MB: five times the L2
+    calls_stamps = []
+    for topk in topks:
+        if flush:
+            buf = jax.block_until_ready(evict(buf))
+        out = call(q, cache, topk, seq, bt)
+        calls_stamps.append(stamps(jax.block_until_ready(out[2]), ctas).astype(np.int64))
+    summarize(case, splits, calls_stamps)
+
+
+def summarize(case, splits, calls_stamps):
+    """Prints the phase table of one case from its calls' stamps ([ctas, 16] int64 each)."""
+    ctas = len(calls_stamps[0])
+    # a CTA's stamps must be ordered (a module without the timeline leaves the workspace as it was)
+    ordered = [(np.diff(r[:, 0:7], axis=1) >= 0).all() and (r[:, 0] > 0).all() for r in calls_stamps]
+    if not all(ordered):
+        print(f"| {case} | {ordered.count(False)} of {len(ordered)} calls with unordered stamps: dropped |")
+    good = [r for r, o in zip(calls_stamps, ordered) if o]
+    if not good:
+        return
+    s = np.concatenate(good)  # [calls * ctas, 16]
+    d_ns, d_cyc = np.diff(s[:, 0:7], axis=1), np.diff(s[:, 8:15], axis=1)
+    steps = np.unique(d_ns[d_ns > 0])
+    print(f"\n{case}: {splits} splits, {ctas} CTAs a call, {len(good)} calls pooled; smallest timer step "
+          f"{steps.min() if steps.size else 0} ns; chunks a CTA {np.median(s[:, 15] & 0xFFFFFFFF):.0f} (median)")
+    print("| phase | ns median | ns p90 | ns max | cycles median |")
+    print("|---|---|---|---|---|")
+    for i, name in enumerate(PHASES):
+        print(f"| {name} | {np.median(d_ns[:, i]):.0f} | {np.percentile(d_ns[:, i], 90):.0f} | {d_ns[:, i].max():.0f} "
+              f"| {np.median(d_cyc[:, i]):.0f} |")
+    t0 = np.array([r[:, 0].min() for r in good])
+    span = np.array([r[:, 6].max() for r in good]) - t0
+    entries = np.array([r[:, 0].max() for r in good]) - t0
+    exits = np.array([r[:, 6].max() - r[:, 6].min() for r in good])
+    # the CTAs of one cluster, one (token, KV head), are consecutive in the linear index (split fastest): how long
+    # each CTA's staged partial waited for its cluster's last one
+    staged = np.concatenate([r[:, 3].reshape(-1, splits) for r in good])
+    wait = (staged.max(axis=1, keepdims=True) - staged).reshape(-1)
+    for name, x in (("kernel span (first entry to last exit)", span), ("CTA entries spread", entries),
+                    ("CTA exits spread", exits), ("wait for the cluster's last partial", wait)):
+        print(f"| {name} | {np.median(x):.0f} | {np.percentile(x, 90):.0f} | {x.max():.0f} | |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", action="append", help="heads,batch,context,q_len,fmt, e.g. 64/4,1,32768,1,FP8")
+    ap.add_argument("--calls", type=int, default=16)
+    ap.add_argument("--splits", type=int, help="force the split-K factor (default: the library's rule)")
+    ap.add_argument("--no-flush", action="store_true", help="leave L2 as the previous call left it")
+    args = ap.parse_args()
+    if not _ffi.cuda_build_options().get("decode_timeline"):
+        raise SystemExit("decode_timeline.py needs a CUDA module built with JAX_MSA_DECODE_TIMELINE=ON (docstring)")
+    print(f"device: {jax.devices()[0].device_kind}")
+    for case in args.case or ["64/4,1,32768,1,FP8", "64/4,1,32768,1,BF16", "64/4,1,32768,1,NVFP4",
+                              "16/1,32,32768,1,BF16", "64/4,32,32768,1,FP8", "64/4,32,32768,1,NVFP4"]:
+        run_case(case, args.calls, args.splits, not args.no_flush)
+
+
+if __name__ == "__main__":
+    main()
