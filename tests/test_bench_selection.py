@@ -91,9 +91,13 @@ def test_decode_timeline_reads_the_workspace_layout():
 
     splits, t, hq, d, ctas = 4, 3, 16, 128, 4 * 2 * 3
     want = np.arange(ctas * decode_timeline.WORDS, dtype=np.uint64).reshape(ctas, decode_timeline.WORDS)
+    want[:, 7] = decode_timeline.MAGIC
     po = np.zeros((splits, t, hq, d), np.float32)
     po.reshape(-1)[: want.size * 2] = want.reshape(-1).view(np.float32)
     np.testing.assert_array_equal(decode_timeline.stamps(po, ctas), want)
+    po.reshape(-1)[16 * 2 * 5 + 14] = 0  # CTA 5's magic word: no timeline there
+    with pytest.raises(ValueError, match="1 of 24 CTAs"):
+        decode_timeline.stamps(po, ctas)
 
     hkv, k, pages = 2, 4, 8
     q = jnp.zeros((t, hq, d), jnp.bfloat16)
@@ -116,10 +120,11 @@ def test_decode_timeline_summary(capsys):
     r[:, 3] += np.tile([0, 10, 20, 30], 2)  # staged partials 0-30 ns apart within each cluster
     r[:, 4:7] += 30
     r[:, 8:15] = np.array([0, 190, 760, 950, 1330, 1425, 1444])
+    r[:, 7] = decode_timeline.MAGIC
     r[:, 15] = (7 << 32) | 2
     decode_timeline.summarize("x", splits, [r, r.copy()])
     text = capsys.readouterr().out
-    assert "| chunk table | 100 | 100 | 100 | 190 |" in text
-    assert "| loop | 300 | 300 | 300 | 570 |" in text
+    assert "| chunk table (top-k row, block table) | 100 | 100 | 100 | 190 |" in text
+    assert "| query + chunks (warp 0) | 300 | 300 | 300 | 570 |" in text
     assert "| wait for the cluster's last partial | 15 |" in text
     assert "| kernel span (first entry to last exit) | 790 |" in text

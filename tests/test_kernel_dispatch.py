@@ -57,7 +57,7 @@ def test_every_translation_unit_holds_sass_for_every_compiled_arch():
 
 def test_build_options_are_reported():
     """The CUDA module says which build switches it was compiled with (gpu_run.sh's `info` prints them), so modules
-    carried to the GPU machine can be told apart: the default build and the ping-pong experiment."""
+    carried to the GPU machine can be told apart: the default build, the prefill experiments and the decode timeline."""
     options = _ffi.cuda_build_options()
-    assert set(options) == {"sm90_prefill_pingpong", "sm90_prefill_bulk_store"}, options
+    assert set(options) == {"sm90_prefill_pingpong", "sm90_prefill_bulk_store", "decode_timeline"}, options
     assert all(isinstance(v, bool) for v in options.values()), options

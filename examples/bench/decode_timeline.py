@@ -29,14 +29,24 @@ import numpy as np
 from bench_decode import K, block_bytes, make_inputs
 from jax_msa import KVFormat, _ffi, ops
 
-PHASES = ["chunk table", "loop", "warp merge", "cluster barrier", "cluster merge", "exit barrier"]
+# What each duration covers, from thread 0's marks (cc/sm80/decode/timeline.cuh, Phase)
+PHASES = ["chunk table (top-k row, block table)", "query + chunks (warp 0)", "warp merge (slowest warp, staging)",
+          "cluster barrier (last split staged)", "cluster merge (thread 0's units)", "exit barrier (cluster's tail)"]
 WORDS = 16  # u64 a CTA (cc/sm80/decode/timeline.cuh: kTimelineWords)
+MAGIC = 0x54494D454C494E45  # word 7 of a stamped CTA (kTimelineMagic)
+MAX_CLUSTER_SPLITS = 16  # cc/sm80/decode/cluster_launch.h: more splits take the combine kernel (no stamps)
 
 
 def stamps(partial_o, ctas):
-    """[ctas, 16] uint64 from the workspace: [0, 7) ns at each phase, [8, 15) cycles, [15] smid << 32 | chunks."""
+    """[ctas, 16] uint64 from the workspace: [0, 7) ns at each phase, [7] MAGIC, [8, 15) cycles, [15] smid << 32 |
+    chunks. Raises when a CTA's magic word is missing (not a timeline build, or the splits were merged by the combine
+    kernel, whose partials fill the workspace)."""
     raw = np.asarray(partial_o).reshape(-1).view(np.uint64)
-    return raw[: ctas * WORDS].reshape(ctas, WORDS)
+    s = raw[: ctas * WORDS].reshape(ctas, WORDS)
+    missing = int((s[:, 7] != MAGIC).sum())
+    if missing:
+        raise ValueError(f"{missing} of {ctas} CTAs left no timeline (a timeline build merging in clusters?)")
+    return s
 
 
 def run_case(case, calls, splits_override, flush):
@@ -45,8 +55,8 @@ def run_case(case, calls, splits_override, flush):
     batch, context, q_len, fmt = int(batch), int(context), int(q_len), KVFormat[fmt]
     cfg = types.SimpleNamespace(batch=batch, num_kv_heads=hkv, topk=K, kv_format=fmt)
     splits = splits_override or ops.decode_num_splits(cfg, q_len)
-    if splits <= 1:
-        print(f"| {case} | one split: no cluster merge, no stamps |")
+    if not 2 <= splits <= MAX_CLUSTER_SPLITS:
+        print(f"| {case} | {splits} splits: not merged in a cluster (2..{MAX_CLUSTER_SPLITS}), no stamps |")
         return
     rng = np.random.default_rng(0)
     pool = min(batch * context // 128, max(4096, int(8e9 // (block_bytes(fmt) * hkv))))

@@ -76,7 +76,7 @@ __device__ __forceinline__ void merge_cluster_splits(const DecodeParams& p, cons
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cd = cluster_detail;
   cd::barrier();  // every split's partial is in its CTA's shared memory
-  timeline_mark(p, true, Phase::kClusterBarrier);
+  timeline_mark(true, Phase::kClusterBarrier);
   const int splits = p.num_splits;
   const int rank = int(cd::rank_in_cluster());
   constexpr int kUnits = kHeadDim / 4;  // float4 units of a row
@@ -107,9 +107,10 @@ __device__ __forceinline__ void merge_cluster_splits(const DecodeParams& p, cons
         make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
     if (unit == 0) p.lse[out_row] = merged.lse(m);
   }
-  timeline_mark(p, true, Phase::kClusterMerge);
+  timeline_mark(true, Phase::kClusterMerge);
   cd::barrier_relaxed();  // no CTA leaves while another still reads its shared memory
-  timeline_mark(p, true, Phase::kExit);
+  timeline_mark(true, Phase::kExit);
+  timeline_write(p, true);
 #else
   __trap();  // the launcher clusters only kernels built for sm_90+ (cluster_launch.cc): unreachable
 #endif

@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   constexpr MmaOperand kOp = Traits::kOperand;
   constexpr bool kRegisterPath = Traits::kRegisterPath;
   const int64_t q_row_base = int64_t(t) * p.num_q_heads + int64_t(g) * group;
-  timeline_mark(p, merge_in_cluster, Phase::kEntry);
+  timeline_mark(merge_in_cluster, Phase::kEntry);
 
   // ---- 1. the loads that depend on nothing are issued first, so their latencies overlap: the query tile (one
   //         cp.async group, staged in the last pipeline stage, which the loop first fills at chunk 0), the top-k row
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   }
   __syncthreads();
   const int n_chunks = s_num_chunks;
-  timeline_mark(p, merge_in_cluster, Phase::kChunkTable, n_chunks);
+  timeline_mark(merge_in_cluster, Phase::kChunkTable, n_chunks);
 
   // ---- 3. the first stages' KV loads, issued before the query conversion waits for the query
   const int key0 = warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads and reads only those
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     }
   }
   cute::cp_async_wait<0>();
-  timeline_mark(p, merge_in_cluster, Phase::kLoopDone);
+  timeline_mark(merge_in_cluster, Phase::kLoopDone);
 
   // ---- 6. merge the 4 warps' (m, l, O) through shared memory
   softmax.reduce_row_sums();
@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
       for (int j = 0; j < 4; ++j) dst[j] = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
       if ((threadIdx.x & 7) == 0) part->lse[row] = lse;
     }
-    timeline_mark(p, merge_in_cluster, Phase::kWarpMerge);
+    timeline_mark(merge_in_cluster, Phase::kWarpMerge);
     merge_cluster_splits(p, part, group, q_row_base);
   } else if (p.num_splits <= 1) {
     uint32_t packed[8];
