@@ -9,8 +9,8 @@ In it, every decode CTA that merges its split inside a thread-block cluster (spl
 stamps the global nanosecond timer and its SM's cycle counter at its phase boundaries (cc/sm80/decode/timeline.cuh)
 into the split workspace, which jax_msa._ffi.decode_call(return_workspace=True) hands back. For each case the call
 runs on `--calls` rotating top-k sets (as bench_decode.py draws them), one jitted call at a time with the L2 flushed
-before each (a 256 MB read and write; `--no-flush` keeps what the previous call left), and the stamps of every call
-are pooled. Printed per case:
+before each (a 256 MB read: reading leaves no dirty lines, whose write-back would load the next call; `--no-flush`
+keeps what the previous call left), and the stamps of every call are pooled. Printed per case:
 
 - per phase, over the CTAs: duration in ns (median, p90, max) and in cycles (median);
 - the kernel's span (first CTA entry to last CTA exit, ns), the spread of the CTAs' entries and exits;
@@ -68,12 +68,12 @@ def run_case(case, calls, splits_override, flush):
         workspace=_ffi.DecodeWorkspace(splits), return_workspace=True))
     ctas = splits * hkv * batch * q_len
     jax.block_until_ready(call(q, cache, topks[0], seq, bt))  # compile, warm up
-    evict = jax.jit(lambda x: x + 1.0)
-    buf = jnp.zeros((64 << 20,), jnp.float32)  # 256 MB: five times the L2
+    evict = jax.jit(jnp.sum)  # a read of 256 MB, five times the L2, that leaves no dirty lines behind
+    buf = jnp.ones((64 << 20,), jnp.float32)
     calls_stamps = []
     for topk in topks:
         if flush:
-            buf = jax.block_until_ready(evict(buf))
+            jax.block_until_ready(evict(buf))
         out = call(q, cache, topk, seq, bt)
         calls_stamps.append(stamps(jax.block_until_ready(out[2]), ctas).astype(np.int64))
     summarize(case, splits, calls_stamps)
