@@ -46,6 +46,11 @@ def distinct_block_fraction(context, q_len, k=K):
     return min(1.0, distinct / (q_len * k))
 
 
+def pool_pages(fmt, hkv, batch, context, pool_gb=8.0):
+    """Pages the block tables draw from: a pool of pool_gb GB (at least 4096 pages), at most one page per block."""
+    return min(batch * context // 128, max(4096, int(pool_gb * 1e9 // (block_bytes(fmt) * hkv))))
+
+
 def make_inputs(rng, fmt, hq, hkv, batch, context, q_len, rotations, pool_pages):
     max_blocks = context // 128
     block_table = rng.integers(0, pool_pages, (batch, max_blocks)).astype(np.int32)
@@ -77,9 +82,8 @@ def bench_case(fmt, hq, hkv, batch, context, q_len, repeats, pool_gb=8.0, splits
     rng = np.random.default_rng(0)
     per_call = batch * q_len * hkv * K * block_bytes(fmt)
     rotations = int(min(64, max(8, math.ceil(200e6 / per_call))))
-    # pages the block tables draw from: a pool of pool_gb GB (at least 4096 pages), at most one page per block
-    pool = min(batch * context // 128, max(4096, int(pool_gb * 1e9 // (block_bytes(fmt) * hkv))))
-    q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, rotations, pool)
+    q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, rotations,
+                                           pool_pages(fmt, hkv, batch, context, pool_gb))
     scales = {} if fmt == KVFormat.BF16 else dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.5))
 
     @jax.jit

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_decode import K, block_bytes, make_inputs
+from bench_decode import K, make_inputs, pool_pages
 from jax_msa import KVFormat, _ffi, ops
 
 # What each duration covers, from thread 0's marks (cc/sm80/decode/timeline.cuh, Phase)
@@ -59,8 +59,8 @@ def run_case(case, calls, splits_override, flush):
         print(f"| {case} | {splits} splits: not merged in a cluster (2..{MAX_CLUSTER_SPLITS}), no stamps |")
         return
     rng = np.random.default_rng(0)
-    pool = min(batch * context // 128, max(4096, int(8e9 // (block_bytes(fmt) * hkv))))
-    q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, calls, pool)
+    q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, calls,
+                                           pool_pages(fmt, hkv, batch, context))
     scale = 1.0 if fmt == KVFormat.BF16 else 0.5
     scales = _ffi.pack_scales(None, jnp.float32(scale), jnp.float32(scale))
     call = jax.jit(lambda q, c, t, s, b: _ffi.decode_call(
