@@ -69,43 +69,106 @@ __device__ __forceinline__ float4 load_f32x4(uint32_t address) {
 }  // namespace cluster_detail
 #endif
 
+// This CTA's slice of every split's partial (units [begin, end) of the rows' float4 units), gathered into its own
+// shared memory by one remote round trip, and the slice rows' split weights: what the merge reads. It lives in the
+// warps' merge area (SharedPlan::kMergeBytes at offset 0), free once the cluster barrier has passed.
+struct ClusterGather {
+  static constexpr int kUnits = kHeadDim / 4;                        // float4 units of a row
+  static constexpr int kMaxSliceUnits = (kRows * kUnits + 1) / 2;    // the slice of one CTA of 2 splits
+  static constexpr int kMaxSliceRows = kMaxSliceUnits / kUnits + 1;  // rows a slice may touch (unaligned)
+  static constexpr int kMaxEntries = kRows * kUnits + kMaxClusterSplits - 1;  // splits x slice <= units + splits - 1
+  float4 o[kMaxEntries];                         // [split][slice unit]
+  float weight[kMaxSliceRows][kMaxClusterSplits];  // split_weight(lse_s, m) of slice row r
+  float m[kMaxSliceRows];                        // max_s lse_s of slice row r
+};
+static_assert(sizeof(ClusterGather) <= SharedPlan<KvFormat::kBf16>::kMergeBytes,
+              "the gathered slice fits the warps' merge area");
+
 // Called by every thread of every CTA of the cluster (cluster size = p.num_splits <= kMaxClusterSplits) once the
-// CTA's rows < group are in `part`. Writes the merged bf16 rows q_row_base + [0, group) of p.out and their lse.
-__device__ __forceinline__ void merge_cluster_splits(const DecodeParams& p, const ClusterPartial* part, int group,
-                                                     int64_t q_row_base) {
+// CTA's rows < group are in `part` and every thread is done reading the merge area `gather` overlays. Writes the
+// merged bf16 rows q_row_base + [0, group) of p.out and their lse. CTA `rank` merges units [begin, end) of the
+// rows' group * 32 float4 units: all 128 threads first fetch the slice from every split (each thread about
+// units / 128 float4s and at most 2 lse, every load issued before any is used: one remote round trip), a warp's
+// half takes one row's lse and weights, then each unit's thread adds the splits in split order from its own shared
+// memory (split_merge.cuh's arithmetic: the combine kernel's bits).
+__device__ __forceinline__ void merge_cluster_splits(const DecodeParams& p, const ClusterPartial* part,
+                                                     ClusterGather* gather, int group, int64_t q_row_base) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cd = cluster_detail;
+  constexpr int kUnits = ClusterGather::kUnits;
+  constexpr int kLoadsPerThread = (ClusterGather::kMaxEntries + kThreads - 1) / kThreads;
+  constexpr int kHalves = kThreads / 16;  // half-warps: one slice row each, lane s of the half = split s
+  constexpr int kRowPasses = (ClusterGather::kMaxSliceRows + kHalves - 1) / kHalves;
+  static_assert(kMaxClusterSplits <= 16, "a half-warp holds a row's splits");
   cd::barrier();  // every split's partial is in its CTA's shared memory
   timeline_mark(true, Phase::kClusterBarrier);
   const int splits = p.num_splits;
   const int rank = int(cd::rank_in_cluster());
-  constexpr int kUnits = kHeadDim / 4;  // float4 units of a row
   const int units = group * kUnits;
-  const int begin = rank * units / splits, end = (rank + 1) * units / splits;
-  for (int i = begin + int(threadIdx.x); i < end; i += kThreads) {
-    const int row = i / kUnits, unit = i % kUnits;
-    float lse[kMaxClusterSplits];
-    float4 o[kMaxClusterSplits];
-    float m = -INFINITY;
+  const int begin = rank * units / splits, n = (rank + 1) * units / splits - begin;
+  const int row0 = begin / kUnits;
+  const int rows = n > 0 ? (begin + n - 1) / kUnits - row0 + 1 : 0;
+
+  // ---- 1. the slice from every split: entry k = s * n + i is unit begin + i of split s
+  const float* slice = &part->o[0][0] + 4 * begin;
+  float4 o[kLoadsPerThread];
+  if (n > 0) {
+    // (s, i) of entry threadIdx.x + j * kThreads, stepped by kThreads = step_s * n + step_i: two divisions in all
+    const int step_s = kThreads / n, step_i = kThreads - step_s * n;
+    int s = int(threadIdx.x) / n, i = int(threadIdx.x) - s * n;
+#pragma unroll
+    for (int j = 0; j < kLoadsPerThread; ++j) {
+      if (s < splits) o[j] = cd::load_f32x4(cd::remote_address(slice + 4 * i, s));
+      s += step_s;
+      i += step_i;
+      if (i >= n) i -= n, ++s;
+    }
+  }
+  const int half = int(threadIdx.x) >> 4, split_lane = int(threadIdx.x) & 15;
+  float lse[kRowPasses];
+#pragma unroll
+  for (int j = 0; j < kRowPasses; ++j) {
+    const int r = half + j * kHalves;
+    lse[j] = r < rows && split_lane < splits ? cd::load_f32(cd::remote_address(&part->lse[row0 + r], split_lane))
+                                             : -INFINITY;
+  }
+#pragma unroll
+  for (int j = 0; j < kLoadsPerThread; ++j) {
+    const int k = int(threadIdx.x) + j * kThreads;
+    if (k < splits * n) gather->o[k] = o[j];
+  }
+#pragma unroll
+  for (int j = 0; j < kRowPasses; ++j) {
+    const int r = half + j * kHalves;
+    float m = lse[j];
+#pragma unroll
+    for (int offset = 8; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (r < rows && split_lane < splits) gather->weight[r][split_lane] = split_weight(lse[j], m);
+    if (r < rows && split_lane == 0) gather->m[r] = m;
+  }
+  __syncthreads();  // the slice and the weights are staged
+
+  // ---- 2. each unit of the slice: the splits in split order
+  for (int i = int(threadIdx.x); i < n; i += kThreads) {
+    const int row = (begin + i) / kUnits, unit = (begin + i) % kUnits, r = row - row0;
+    float w[kMaxClusterSplits];
+    float4 x[kMaxClusterSplits];
 #pragma unroll
     for (int s = 0; s < kMaxClusterSplits; ++s) {
       if (s < splits) {
-        lse[s] = cd::load_f32(cd::remote_address(&part->lse[row], s));
-        o[s] = cd::load_f32x4(cd::remote_address(&part->o[row][4 * unit], s));
+        w[s] = gather->weight[r][s];
+        x[s] = gather->o[s * n + i];
       }
     }
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s)
-      if (s < splits) m = fmaxf(m, lse[s]);
     SplitMergeAccumulator merged;
 #pragma unroll
     for (int s = 0; s < kMaxClusterSplits; ++s)
-      if (s < splits) merged.add(split_weight(lse[s], m), o[s]);
+      if (s < splits) merged.add(w[s], x[s]);
     const float4 v = merged.output();
     const int64_t out_row = q_row_base + row;
     reinterpret_cast<uint2*>(p.out + out_row * kHeadDim)[unit] =
         make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
-    if (unit == 0) p.lse[out_row] = merged.lse(m);
+    if (unit == 0) p.lse[out_row] = merged.lse(gather->m[r]);
   }
   timeline_mark(true, Phase::kClusterMerge);
   cd::barrier_relaxed();  // no CTA leaves while another still reads its shared memory

@@ -112,7 +112,8 @@ struct SharedPlan {
   // The prologue stages the query tile in the last pipeline stage, which the main loop first fills at chunk 0.
   static constexpr int kQueryTileOffset = kStagesOffset + (T::kStages - 1) * T::kStageBytes;
   static_assert(T::kStageBytes >= kQTileBytes && T::kStageBytes % 16 == 0, "the query tile fits the last stage");
-  // The epilogue reuses the stage area for the warps' fp32 partial outputs.
+  // The epilogue reuses the stage area for the warps' fp32 partial outputs (and the cluster merge then for the slice
+  // it gathers from the splits: cluster_merge.cuh's ClusterGather).
   static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
   static_assert(kStageAreaBytes >= kMergeBytes, "merge area must fit in the reused stages");
   // The cluster merge (cluster_merge.cuh) stages the CTA's partial after the merge area: 16 x 128 fp32 + 16 lse.

@@ -88,13 +88,13 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   // ---- 2. the valid, deduplicated blocks of (t, g): one warp ballot; this split's share; its chunks
   if (warp == 0) {
     const int n_blocks = min((seq_len + kPageSize - 1) / kPageSize, p.max_blocks);
-    bool valid = id >= 0 && id < n_blocks && pos >= 0 && id <= pos / kPageSize;
-#pragma unroll
-    for (int j = 0; j < kMaxTopk - 1; ++j) {  // first copy only: a lower lane holding the same id wins
-      const int other = __shfl_sync(0xffffffffu, id, j);
-      valid = valid && !(j < lane && other == id);
-    }
-    int64_t page = valid ? p.block_table[int64_t(b) * p.max_blocks + id] : -1;
+    const bool in_range = id >= 0 && id < n_blocks && pos >= 0 && id <= pos / kPageSize;
+    // the page lookup is issued before the duplicate test so that its latency covers it (a duplicate reads the same
+    // in-range entry as its first copy)
+    const int64_t looked_up = in_range ? p.block_table[int64_t(b) * p.max_blocks + id] : -1;
+    const unsigned same_id = __match_any_sync(0xffffffffu, id);
+    bool valid = in_range && (same_id & ((1u << lane) - 1u)) == 0;  // first copy only: a lower lane's copy wins
+    const int64_t page = valid ? looked_up : -1;
     valid = valid && page >= 0 && page < p.num_pages;
     const unsigned mask = __ballot_sync(0xffffffffu, valid);
     const int n = __popc(mask);
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
       if ((threadIdx.x & 7) == 0) part->lse[row] = lse;
     }
     timeline_mark(merge_in_cluster, Phase::kWarpMerge);
-    merge_cluster_splits(p, part, group, q_row_base);
+    merge_cluster_splits(p, part, reinterpret_cast<ClusterGather*>(merge), group, q_row_base);
   } else if (p.num_splits <= 1) {
     uint32_t packed[8];
 #pragma unroll

@@ -46,7 +46,9 @@ __device__ __forceinline__ uint64_t* timeline_stamps() {
 
 __device__ __forceinline__ void timeline_mark(bool merge_in_cluster, Phase phase, int chunks = -1) {
 #if JAX_MSA_DECODE_TIMELINE
-  if (threadIdx.x != 0 || !merge_in_cluster) return;
+  uint32_t tid;  // read at each mark (volatile): a thread-0 predicate kept live across the main loop costs a register
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  if (tid != 0 || !merge_in_cluster) return;
   uint64_t ns, cycles;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
   asm volatile("mov.u64 %0, %%clock64;" : "=l"(cycles));
