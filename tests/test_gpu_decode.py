@@ -286,7 +286,8 @@ def _compute_capability():
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("group,batch,q_len,splits", [(16, 1, 1, 16), (16, 11, 1, 12), (16, 7, 4, 4), (16, 64, 1, 2),
-                                                      (8, 3, 1, 16), (8, 5, 2, 7), (2, 4, 1, 3)])
+                                                      (8, 3, 1, 16), (8, 5, 2, 7), (4, 2, 3, 5), (2, 4, 1, 3),
+                                                      (1, 6, 1, 16)])
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
 def test_decode_cluster_merge_matches_combine_kernel(fmt, group, batch, q_len, splits, monkeypatch):
     """On sm_90+ the split-K CTAs of a (token, KV head) run as one cluster and merge through distributed shared
@@ -294,7 +295,8 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, group, batch, q_len, s
     kernel. Both use split_merge.cuh's arithmetic: outputs bit-identical. The module's launch counters show which
     path each call took (each run_kernel is a fresh jit, so nothing is replayed from an earlier capture). The split
     count is forced (the rule in ops.decode_num_splits differs per format). The cases cover a CTA's slice of the rows'
-    units starting mid-row (12, 7, 3 splits), slices of 2 to 256 units and groups of 16, 8 and 2 heads."""
+    units starting mid-row (12, 7, 5, 3 splits; group 8 at 16), slices of 2 to 256 units and groups of 16, 8, 4, 2
+    and 1 heads."""
     from jax_msa import _ffi, ops
 
     monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: splits)

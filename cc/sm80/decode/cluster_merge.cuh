@@ -74,8 +74,10 @@ __device__ __forceinline__ float4 load_f32x4(uint32_t address) {
 // warps' merge area (SharedPlan::kMergeBytes at offset 0), free once the cluster barrier has passed.
 struct ClusterGather {
   static constexpr int kUnits = kHeadDim / 4;                        // float4 units of a row
-  static constexpr int kMaxSliceUnits = (kRows * kUnits + 1) / 2;    // the slice of one CTA of 2 splits
-  static constexpr int kMaxSliceRows = kMaxSliceUnits / kUnits + 1;  // rows a slice may touch (unaligned)
+  // Rows a slice touches: at most 8. A slice of n units starting at unit offset o of a row touches
+  // ceil((o + n) / 32) rows; n = units / splits (rounded either way) is at most 171 at 3+ splits (6 rows + 1 for the
+  // offset); at 2 splits, n = 16 group and o = 0 (even group) or 16 (odd group, n <= 240): 8 rows either way.
+  static constexpr int kMaxSliceRows = 8;
   static constexpr int kMaxEntries = kRows * kUnits + kMaxClusterSplits - 1;  // splits x slice <= units + splits - 1
   float4 o[kMaxEntries];                         // [split][slice unit]
   float weight[kMaxSliceRows][kMaxClusterSplits];  // split_weight(lse_s, m) of slice row r
@@ -84,11 +86,12 @@ struct ClusterGather {
 static_assert(sizeof(ClusterGather) <= SharedPlan<KvFormat::kBf16>::kMergeBytes,
               "the gathered slice fits the warps' merge area");
 
-// Called by every thread of every CTA of the cluster (cluster size = p.num_splits <= kMaxClusterSplits) once the
-// CTA's rows < group are in `part` and every thread is done reading the merge area `gather` overlays. Writes the
+// Called by every thread of every CTA of the cluster (cluster size = p.num_splits in [2, kMaxClusterSplits]) once the
+// CTA's rows < group are in `part` (the entry barrier also orders the CTA's last reads of the merge area, which
+// `gather` overlays, before its writes). Writes the
 // merged bf16 rows q_row_base + [0, group) of p.out and their lse. CTA `rank` merges units [begin, end) of the
 // rows' group * 32 float4 units: all 128 threads first fetch the slice from every split (each thread about
-// units / 128 float4s and at most 2 lse, every load issued before any is used: one remote round trip), a warp's
+// units / 128 float4s and at most 1 lse, every load issued before any is used: one remote round trip), a warp's
 // half takes one row's lse and weights, then each unit's thread adds the splits in split order from its own shared
 // memory (split_merge.cuh's arithmetic: the combine kernel's bits).
 __device__ __forceinline__ void merge_cluster_splits(const DecodeParams& p, const ClusterPartial* part,
@@ -98,7 +101,7 @@ __device__ __forceinline__ void merge_cluster_splits(const DecodeParams& p, cons
   constexpr int kUnits = ClusterGather::kUnits;
   constexpr int kLoadsPerThread = (ClusterGather::kMaxEntries + kThreads - 1) / kThreads;
   constexpr int kHalves = kThreads / 16;  // half-warps: one slice row each, lane s of the half = split s
-  constexpr int kRowPasses = (ClusterGather::kMaxSliceRows + kHalves - 1) / kHalves;
+  constexpr int kRowPasses = (ClusterGather::kMaxSliceRows + kHalves - 1) / kHalves;  // 1
   static_assert(kMaxClusterSplits <= 16, "a half-warp holds a row's splits");
   cd::barrier();  // every split's partial is in its CTA's shared memory
   timeline_mark(true, Phase::kClusterBarrier);
