@@ -302,9 +302,6 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     wgt[w] = m_all == -INFINITY ? 0.0f : exp2f(s_m[w][row] - m_all);
     l_all += s_l[w][row] * wgt[w];
   }
-  const bool empty = !(l_all > 0.0f);
-  const float inv = empty ? 0.0f : v_scale / l_all;
-  const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * kLn2;
   float o[16];
 #pragma unroll
   for (int j = 0; j < 16; ++j) o[j] = 0.0f;
@@ -319,6 +316,10 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
       o[4 * u + 3] += wgt[w] * x.w;
     }
   }
+  // the division after the partials' loads (its slow path is a call, which the loads would otherwise wait behind)
+  const bool empty = !(l_all > 0.0f);
+  const float inv = empty ? 0.0f : v_scale / l_all;
+  const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * kLn2;
 #pragma unroll
   for (int j = 0; j < 16; ++j) o[j] *= inv;
   const int64_t out_row = q_row_base + row;
