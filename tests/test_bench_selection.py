@@ -80,7 +80,7 @@ def test_plan_completion_schedules_cover_every_edge_once():
 
 
 def test_decode_timeline_reads_the_workspace_layout():
-    """decode_timeline.py's reader: 16 u64 a CTA at the start of the split workspace (cc/sm80/decode/timeline.cuh),
+    """decode_timeline.py's reader: WORDS (32) u64 a CTA at the start of the split workspace (cc/sm80/decode/timeline.cuh),
     and decode_call(return_workspace=True) hands the workspaces back with their shapes (here through the CPU handler,
     which leaves them alone)."""
     import jax
@@ -95,7 +95,7 @@ def test_decode_timeline_reads_the_workspace_layout():
     po = np.zeros((splits, t, hq, d), np.float32)
     po.reshape(-1)[: want.size * 2] = want.reshape(-1).view(np.float32)
     np.testing.assert_array_equal(decode_timeline.stamps(po, ctas), want)
-    po.reshape(-1)[16 * 2 * 5 + 14] = 0  # CTA 5's magic word: no timeline there
+    po.reshape(-1)[decode_timeline.WORDS * 2 * 5 + 14] = 0  # CTA 5's magic word: no timeline there
     with pytest.raises(ValueError, match="1 of 24 CTAs"):
         decode_timeline.stamps(po, ctas)
 
@@ -122,9 +122,14 @@ def test_decode_timeline_summary(capsys):
     r[:, 8:15] = np.array([0, 190, 760, 950, 1330, 1425, 1444])
     r[:, 7] = decode_timeline.MAGIC
     r[:, 15] = (7 << 32) | 2
+    r[:, 16:20] = 1400 + np.array([0, 40, 60, 20])  # the warps' loop ends: the last 60 ns after warp 0's
+    r[:, 20:24] = r[:, 16:20] + 30  # each warp stages its partial 30 ns after its loop end (the last at 1490)
     decode_timeline.summarize("x", splits, [r, r.copy()])
     text = capsys.readouterr().out
     assert "| chunk table (top-k row, block table) | 100 | 100 | 100 | 190 |" in text
     assert "| query + chunks (warp 0) | 300 | 300 | 300 | 570 |" in text
     assert "| wait for the cluster's last partial | 15 |" in text
     assert "| kernel span (first entry to last exit) | 790 |" in text
+    assert "| last warp's loop end after warp 0's | 60 | 60 | 60 | |" in text
+    assert "| a warp's staging (loop end to partial) | 30 | 30 | 30 | |" in text
+    assert "| warps' merge after the last warp staged | 25 |" in text  # 1500 + (0, 10, 20, 30) - 1490: median 25

@@ -13,6 +13,8 @@ before each (a 256 MB read: reading leaves no dirty lines, whose write-back woul
 keeps what the previous call left), and the stamps of every call are pooled. Printed per case:
 
 - per phase, over the CTAs: duration in ns (median, p90, max) and in cycles (median);
+- the 4 warps before the warps' merge: how far the last warp's loop end trails warp 0's, each warp's staging of its
+  partial, and the merge's time from the last warp's staged partial to thread 0's partial staged for the cluster;
 - the kernel's span (first CTA entry to last CTA exit, ns), the spread of the CTAs' entries and exits;
 - the cluster skew: per CTA, how long its staged partial waited for the cluster's last sibling (ns, median / max).
 
@@ -32,14 +34,15 @@ from jax_msa import KVFormat, _ffi, ops
 # What each duration covers, from thread 0's marks (cc/sm80/decode/timeline.cuh, Phase)
 PHASES = ["chunk table (top-k row, block table)", "query + chunks (warp 0)", "warp merge (slowest warp, staging)",
           "cluster barrier (last split staged)", "cluster merge (thread 0's units)", "exit barrier (cluster's tail)"]
-WORDS = 16  # u64 a CTA (cc/sm80/decode/timeline.cuh: kTimelineWords)
+WORDS = 32  # u64 a CTA (cc/sm80/decode/timeline.cuh: kTimelineWords)
+WARP_LOOP_DONE, WARP_STAGED = 16, 20  # first word of each WarpPhase's 4 per-warp stamps (ns)
 MAGIC = 0x54494D454C494E45  # word 7 of a stamped CTA (kTimelineMagic)
 MAX_CLUSTER_SPLITS = 16  # cc/sm80/decode/cluster_launch.h: more splits take the combine kernel (no stamps)
 
 
 def stamps(partial_o, ctas):
-    """[ctas, 16] uint64 from the workspace: [0, 7) ns at each phase, [7] MAGIC, [8, 15) cycles, [15] smid << 32 |
-    chunks. Raises when a CTA's magic word is missing (not a timeline build, or the splits were merged by the combine
+    """[ctas, WORDS] uint64 from the workspace: [0, 7) ns at each phase, [7] MAGIC, [8, 15) cycles, [15] smid << 32 |
+    chunks, [16, 20) ns at each warp's loop end, [20, 24) ns at each warp's partial staged. Raises when a CTA's magic word is missing (not a timeline build, or the splits were merged by the combine
     kernel, whose partials fill the workspace)."""
     raw = np.asarray(partial_o).reshape(-1).view(np.uint64)
     s = raw[: ctas * WORDS].reshape(ctas, WORDS)
@@ -80,7 +83,7 @@ def run_case(case, calls, splits_override, flush):
 
 
 def summarize(case, splits, calls_stamps):
-    """Prints the phase table of one case from its calls' stamps ([ctas, 16] int64 each)."""
+    """Prints the phase table of one case from its calls' stamps ([ctas, WORDS] int64 each)."""
     ctas = len(calls_stamps[0])
     # a CTA's stamps must be ordered (a module without the timeline leaves the workspace as it was)
     ordered = [(np.diff(r[:, 0:7], axis=1) >= 0).all() and (r[:, 0] > 0).all() for r in calls_stamps]
@@ -89,7 +92,7 @@ def summarize(case, splits, calls_stamps):
     good = [r for r, o in zip(calls_stamps, ordered) if o]
     if not good:
         return
-    s = np.concatenate(good)  # [calls * ctas, 16]
+    s = np.concatenate(good)  # [calls * ctas, WORDS]
     d_ns, d_cyc = np.diff(s[:, 0:7], axis=1), np.diff(s[:, 8:15], axis=1)
     steps = np.unique(d_ns[d_ns > 0])
     print(f"\n{case}: {splits} splits, {ctas} CTAs a call, {len(good)} calls pooled; smallest timer step "
@@ -107,8 +110,15 @@ def summarize(case, splits, calls_stamps):
     # each CTA's staged partial waited for its cluster's last one
     staged = np.concatenate([r[:, 3].reshape(-1, splits) for r in good])
     wait = (staged.max(axis=1, keepdims=True) - staged).reshape(-1)
+    loop_done = s[:, WARP_LOOP_DONE:WARP_LOOP_DONE + 4]
+    staged_w = s[:, WARP_STAGED:WARP_STAGED + 4]
+    trail = loop_done.max(axis=1) - loop_done[:, 0]  # the last warp's loop end after warp 0's
+    staging = (staged_w - loop_done).reshape(-1)  # per warp: its loop end to its partial staged
+    merge = s[:, 3] - staged_w.max(axis=1)  # the last warp's partial staged to thread 0's partial for the cluster
     for name, x in (("kernel span (first entry to last exit)", span), ("CTA entries spread", entries),
-                    ("CTA exits spread", exits), ("wait for the cluster's last partial", wait)):
+                    ("CTA exits spread", exits), ("wait for the cluster's last partial", wait),
+                    ("last warp's loop end after warp 0's", trail), ("a warp's staging (loop end to partial)", staging),
+                    ("warps' merge after the last warp staged", merge)):
         print(f"| {name} | {np.median(x):.0f} | {np.percentile(x, 90):.0f} | {x.max():.0f} | |")
 
 

@@ -252,6 +252,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   }
   cute::cp_async_wait<0>();
   timeline_mark(merge_in_cluster, Phase::kLoopDone);
+  timeline_warp_mark(merge_in_cluster, WarpPhase::kLoopDone);
 
   // ---- 6. merge the 4 warps' (m, l, O) through shared memory
   softmax.reduce_row_sums();
@@ -286,6 +287,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
       *reinterpret_cast<float2*>(w1) = make_float2(acc[i][2], acc[i][3]);
     }
   }
+  timeline_warp_mark(merge_in_cluster, WarpPhase::kStaged);
   __syncthreads();
 
   // thread -> (row, 16 dims): 16 rows x 8 groups of 16 dims; rows past the group are computed (on zero queries)

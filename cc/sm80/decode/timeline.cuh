@@ -8,10 +8,11 @@
 // (jax_msa._ffi.decode_call(return_workspace=True)).
 //
 // Per CTA (blockIdx.x = split, .y = KV head, .z = token; linear index (z * gridDim.y + y) * gridDim.x + x, so the
-// CTAs of one cluster are consecutive), 16 u64 at float offset 32 * cta of partial_o: [0, 7) %globaltimer at each
-// Phase (ns; comparable across SMs), [7] kTimelineMagic, [8, 15) clock64 at each Phase (cycles of this SM),
-// [15] = smid << 32 | the CTA's chunk count. The marks are thread 0's view: a phase ends when thread 0 (warp 0)
-// reaches its mark.
+// CTAs of one cluster are consecutive), 32 u64 at float offset 64 * cta of partial_o (a CTA's share of the workspace
+// is group * 128 >= 128 floats): [0, 7) %globaltimer at each Phase (ns; comparable across SMs), [7] kTimelineMagic,
+// [8, 15) clock64 at each Phase (cycles of this SM), [15] = smid << 32 | the CTA's chunk count, [16 + 4 p + w]
+// %globaltimer when warp w (lane 0) reaches WarpPhase p, [24, 32) unused. The Phase marks are thread 0's view: a
+// phase ends when thread 0 (warp 0) reaches its mark; the WarpPhase marks show how far apart the 4 warps are.
 #pragma once
 #include <cstdint>
 
@@ -34,7 +35,12 @@ enum class Phase : int {
                         // into the exit barrier)
   kExit = 6,            // the cluster's exit barrier passed
 };
-constexpr int kTimelineWords = 16;                            // u64 a CTA
+// Per-warp marks (lane 0 of every warp): where the warps' merge waits for the slowest warp
+enum class WarpPhase : int {
+  kLoopDone = 0,  // the warp past its last chunk (cp.async drained)
+  kStaged = 1,    // the warp's (m, l, O) written to the merge area, before the barrier that waits for every warp
+};
+constexpr int kTimelineWords = 32;                            // u64 a CTA
 constexpr uint64_t kTimelineMagic = 0x54494D454C494E45ull;  // "TIMELINE": word 7 of a stamped CTA
 
 #if JAX_MSA_DECODE_TIMELINE
@@ -65,7 +71,21 @@ __device__ __forceinline__ void timeline_mark(bool merge_in_cluster, Phase phase
 #endif
 }
 
-// After the last mark (kExit): thread 0 copies the CTA's stamps to the workspace.
+__device__ __forceinline__ void timeline_warp_mark(bool merge_in_cluster, WarpPhase phase) {
+#if JAX_MSA_DECODE_TIMELINE
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  if ((tid & 31) != 0 || !merge_in_cluster) return;
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  timeline_stamps()[16 + 4 * int(phase) + int(tid >> 5)] = ns;
+#else
+  (void)merge_in_cluster, (void)phase;
+#endif
+}
+
+// After the last mark (kExit): thread 0 copies the CTA's stamps to the workspace (every warp's marks precede the
+// barriers before it).
 __device__ __forceinline__ void timeline_write(const DecodeParams& p, bool merge_in_cluster) {
 #if JAX_MSA_DECODE_TIMELINE
   if (threadIdx.x != 0 || !merge_in_cluster) return;
