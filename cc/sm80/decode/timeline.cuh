@@ -48,12 +48,18 @@ __device__ __forceinline__ uint64_t* timeline_stamps() {
   __shared__ uint64_t stamps[kTimelineWords];  // one per CTA: every mark goes through this function
   return stamps;
 }
+
+// %tid.x read at each mark (volatile): a thread-0 predicate kept live across the main loop costs a register
+__device__ __forceinline__ uint32_t timeline_tid() {
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid;
+}
 #endif
 
 __device__ __forceinline__ void timeline_mark(bool merge_in_cluster, Phase phase, int chunks = -1) {
 #if JAX_MSA_DECODE_TIMELINE
-  uint32_t tid;  // read at each mark (volatile): a thread-0 predicate kept live across the main loop costs a register
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const uint32_t tid = timeline_tid();
   if (tid != 0 || !merge_in_cluster) return;
   uint64_t ns, cycles;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
@@ -73,8 +79,7 @@ __device__ __forceinline__ void timeline_mark(bool merge_in_cluster, Phase phase
 
 __device__ __forceinline__ void timeline_warp_mark(bool merge_in_cluster, WarpPhase phase) {
 #if JAX_MSA_DECODE_TIMELINE
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const uint32_t tid = timeline_tid();
   if ((tid & 31) != 0 || !merge_in_cluster) return;
   uint64_t ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
