@@ -3,9 +3,9 @@
 For each case: heads (64/4 or 16/1), batch B, context length, decode_query_len, KV format. Top-k rows hold the
 local block plus 15 distinct earlier blocks (all valid). R >= 8 different top-k sets rotate through one jitted,
 unrolled program (so XLA replays it as one command buffer and the selected blocks are not L2-resident:
-R x bytes per call >= 200 MB), and time per call = wall time / R, median over repeats. This per-call time
-includes the program's launch and the gaps between XLA's kernels; `.ci/gpu_run.sh profile` reports the
-kernels alone (Nsight Compute, L2 flushed before each kernel).
+R x bytes per call >= 200 MB) whose R outputs are stacked into one array (one concatenation per program), and time
+per call = wall time / R, median over repeats. This per-call time includes the program's launch and the gaps between
+XLA's kernels; `.ci/gpu_run.sh profile` reports the kernels alone (Nsight Compute, L2 flushed before each kernel).
 
 KV bandwidth = bytes of the selected K and V (with scales) per call / time, against 4.3 TB/s; with q_len > 1 also
 over the distinct blocks only (distinct_block_fraction: draft tokens of a request share blocks, re-read from L2).
@@ -78,7 +78,7 @@ def make_inputs(rng, fmt, hq, hkv, batch, context, q_len, rotations, pool_pages)
     return q, cache, topks, jnp.asarray(seq), jnp.asarray(block_table)
 
 
-def bench_case(fmt, hq, hkv, batch, context, q_len, repeats, pool_gb=8.0, splits=None):
+def bench_case(fmt, hq, hkv, batch, context, q_len, repeats, pool_gb=8.0, splits=None, outputs="stacked"):
     rng = np.random.default_rng(0)
     per_call = batch * q_len * hkv * K * block_bytes(fmt)
     rotations = int(min(64, max(8, math.ceil(200e6 / per_call))))
@@ -90,7 +90,10 @@ def bench_case(fmt, hq, hkv, batch, context, q_len, repeats, pool_gb=8.0, splits
     def run(q, cache, topks, seq, bt):
         outs = [jax_msa.sparse_decode(q, cache, topk, seq_lens=seq, block_table=bt, decode_query_len=q_len,
                                       impl="kernel", num_splits=splits, **scales) for topk in topks]
-        return outs
+        # one output array by default: returned as R arrays ("list", as before 2026-12-06), the runtime's work on each
+        # output array adds ~4 us a call (H200, 64/4 B = 1 FP8: 15.3 us a call against 10.9), the benchmark's, not the
+        # layer's
+        return jnp.stack(outs) if outputs == "stacked" else outs
 
     med, p10, p90 = median_p10_p90(run, (q, cache, topks, seq, bt), repeats)
     us = med / rotations * 1e6
@@ -127,6 +130,9 @@ def main():
     ap.add_argument("--no-dense", action="store_true", help="skip the dense cuDNN comparison")
     ap.add_argument("--pool-gb", type=float, default=8.0,
                     help="size of the page pool the block tables draw from (GB; the spread of the reads)")
+    ap.add_argument("--outputs", choices=("stacked", "list"), default="stacked",
+                    help="the program's R outputs as one stacked array (default) or as R arrays (the runtime's "
+                         "per-array work then adds to the per-call time)")
     ap.add_argument("--splits", type=int,
                     help="the CUDA decode's split-K factor (sparse_decode's num_splits; default: the split rule)")
     args = ap.parse_args()
@@ -163,7 +169,8 @@ def main():
                 dense = dense_cache[(hq, hkv, batch, context)]
                 for q_len in q_lens:
                     for fmt in fmts:
-                        r = bench_case(fmt, hq, hkv, batch, context, q_len, args.repeats, args.pool_gb, args.splits)
+                        r = bench_case(fmt, hq, hkv, batch, context, q_len, args.repeats, args.pool_gb, args.splits,
+                                       args.outputs)
                         speedup = f"{dense / r['us']:.1f}x" if (dense and q_len == 1) else "-"
                         row = (f"| {hq}/{hkv} | {batch} | {context // 1024}k | {q_len} | {fmt.name} | "
                                f"{r['us']:.1f} | {r['p10']:.1f}-{r['p90']:.1f} | {r['bytes'] / 1e6:.2f} | "
