@@ -154,3 +154,35 @@ def test_bench_decode_runs_its_program_either_way(outputs, monkeypatch):
         assert seen[0].shape == (rotations, 1, 16, 128)
     else:
         assert isinstance(seen[0], list) and len(seen[0]) == rotations
+
+
+def test_bench_decode_stacked_outputs_are_the_listed_ones(monkeypatch):
+    """The stacked program's rows are the list program's outputs, call for call (same inputs: same seed)."""
+    seen = {}
+    real = bench_decode.median_p10_p90
+
+    def timed(fn, args, repeats):
+        seen[len(seen)] = fn(*args)
+        return real(fn, args, repeats)
+
+    monkeypatch.setattr(bench_decode, "median_p10_p90", timed)
+    for outputs in ("stacked", "list"):
+        bench_decode.bench_case(KVFormat.BF16, 16, 1, 1, 4096, 1, repeats=1, pool_gb=0.0, outputs=outputs)
+    stacked, listed = np.asarray(seen[0]), seen[1]
+    assert len(listed) == stacked.shape[0]
+    for i, out in enumerate(listed):
+        assert np.array_equal(stacked[i], np.asarray(out)), i
+
+
+def test_bench_decode_main_passes_outputs(monkeypatch):
+    got = []
+
+    def fake_case(*args, **kwargs):
+        got.append(args[-1])
+        return dict(us=1.0, p10=1.0, p90=1.0, bytes=1, tbps=1.0, distinct=1.0)
+
+    monkeypatch.setattr(bench_decode, "bench_case", fake_case)
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--heads", "16/1", "--batch", "1", "--context", "4096",
+                                      "--q-len", "1", "--fmt", "BF16", "--no-dense", "--outputs", "list"])
+    bench_decode.main()
+    assert got == ["list"]

@@ -3,7 +3,8 @@
 For each case: heads (64/4 or 16/1), batch B, context length, decode_query_len, KV format. Top-k rows hold the
 local block plus 15 distinct earlier blocks (all valid). R >= 8 different top-k sets rotate through one jitted,
 unrolled program (so XLA replays it as one command buffer and the selected blocks are not L2-resident:
-R x bytes per call >= 200 MB) whose R outputs are stacked into one array (one concatenation per program), and time
+R x bytes per call >= 200 MB) whose R outputs are stacked into one array (one concatenation per program, whose copy
+of 2x the output bytes a call is included), and time
 per call = wall time / R, median over repeats. This per-call time includes the program's launch and the gaps between
 XLA's kernels; `.ci/gpu_run.sh profile` reports the kernels alone (Nsight Compute, L2 flushed before each kernel).
 
