@@ -80,9 +80,9 @@ def test_plan_completion_schedules_cover_every_edge_once():
 
 
 def test_decode_timeline_reads_the_workspace_layout():
-    """decode_timeline.py's reader: WORDS (32) u64 a CTA at the start of the split workspace (cc/sm80/decode/timeline.cuh),
-    and decode_call(return_workspace=True) hands the workspaces back with their shapes (here through the CPU handler,
-    which leaves them alone)."""
+    """decode_timeline.py's reader: WORDS (32) u64 a CTA at the start of the split workspace
+    (cc/sm80/decode/timeline.cuh), and decode_call(return_workspace=True) hands the workspaces back with their shapes
+    (here through the CPU handler, which leaves them alone)."""
     import jax
     import jax.numpy as jnp
 
@@ -135,10 +135,8 @@ def test_decode_timeline_summary(capsys):
     assert "| warps' merge after the last warp staged | 25 |" in text  # 1500 + (0, 10, 20, 30) - 1490: median 25
 
 
-@pytest.mark.parametrize("outputs", ["stacked", "list"])
-def test_bench_decode_runs_its_program_either_way(outputs, monkeypatch):
-    """bench_case's jitted program of R calls (on the CPU handler here): stacked into one array (the default, which
-    keeps the runtime's per-array work out of the per-call time) or as R arrays; both return a finite time."""
+def _bench_case_with_output(monkeypatch, outputs):
+    """bench_case on a small BF16 case (the CPU handler here), with its jitted program's output kept."""
     seen = []
     real = bench_decode.median_p10_p90
 
@@ -148,30 +146,22 @@ def test_bench_decode_runs_its_program_either_way(outputs, monkeypatch):
 
     monkeypatch.setattr(bench_decode, "median_p10_p90", timed)
     r = bench_decode.bench_case(KVFormat.BF16, 16, 1, 1, 4096, 1, repeats=1, pool_gb=0.0, outputs=outputs)
-    assert np.isfinite(r["us"]) and r["us"] > 0
-    rotations = int(min(64, max(8, np.ceil(200e6 / r["bytes"]))))
-    if outputs == "stacked":
-        assert seen[0].shape == (rotations, 1, 16, 128)
-    else:
-        assert isinstance(seen[0], list) and len(seen[0]) == rotations
+    return r, seen[0]
 
 
-def test_bench_decode_stacked_outputs_are_the_listed_ones(monkeypatch):
-    """The stacked program's rows are the list program's outputs, call for call (same inputs: same seed)."""
-    seen = {}
-    real = bench_decode.median_p10_p90
-
-    def timed(fn, args, repeats):
-        seen[len(seen)] = fn(*args)
-        return real(fn, args, repeats)
-
-    monkeypatch.setattr(bench_decode, "median_p10_p90", timed)
-    for outputs in ("stacked", "list"):
-        bench_decode.bench_case(KVFormat.BF16, 16, 1, 1, 4096, 1, repeats=1, pool_gb=0.0, outputs=outputs)
-    stacked, listed = np.asarray(seen[0]), seen[1]
-    assert len(listed) == stacked.shape[0]
+def test_bench_decode_stacked_and_listed_programs(monkeypatch):
+    """bench_case's jitted program of R calls: stacked into one array (the default, which keeps the runtime's per-array
+    work out of the per-call time) or as R arrays. Both return a finite time, and the stacked rows are the listed
+    outputs, call for call (same inputs: same seed)."""
+    r_stacked, stacked = _bench_case_with_output(monkeypatch, "stacked")
+    r_listed, listed = _bench_case_with_output(monkeypatch, "list")
+    rotations = int(min(64, max(8, np.ceil(200e6 / r_stacked["bytes"]))))
+    for r in (r_stacked, r_listed):
+        assert np.isfinite(r["us"]) and r["us"] > 0
+    assert stacked.shape == (rotations, 1, 16, 128)
+    assert isinstance(listed, list) and len(listed) == rotations
     for i, out in enumerate(listed):
-        assert np.array_equal(stacked[i], np.asarray(out)), i
+        assert np.array_equal(np.asarray(stacked[i]), np.asarray(out)), i
 
 
 def test_bench_decode_main_passes_outputs(monkeypatch):

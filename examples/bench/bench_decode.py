@@ -4,9 +4,9 @@ For each case: heads (64/4 or 16/1), batch B, context length, decode_query_len, 
 local block plus 15 distinct earlier blocks (all valid). R >= 8 different top-k sets rotate through one jitted,
 unrolled program (so XLA replays it as one command buffer and the selected blocks are not L2-resident:
 R x bytes per call >= 200 MB) whose R outputs are stacked into one array (one concatenation per program, whose copy
-of 2x the output bytes a call is included), and time
-per call = wall time / R, median over repeats. This per-call time includes the program's launch and the gaps between
-XLA's kernels; `.ci/gpu_run.sh profile` reports the kernels alone (Nsight Compute, L2 flushed before each kernel).
+of 2x the output bytes a call is included), and time per call = wall time / R, median over repeats. This per-call
+time includes the program's launch and the gaps between XLA's kernels; `.ci/gpu_run.sh profile` reports the kernels
+alone (Nsight Compute, L2 flushed before each kernel).
 
 KV bandwidth = bytes of the selected K and V (with scales) per call / time, against 4.3 TB/s; with q_len > 1 also
 over the distinct blocks only (distinct_block_fraction: draft tokens of a request share blocks, re-read from L2).

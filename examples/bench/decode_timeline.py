@@ -42,8 +42,9 @@ MAX_CLUSTER_SPLITS = 16  # cc/sm80/decode/cluster_launch.h: more splits take the
 
 def stamps(partial_o, ctas):
     """[ctas, WORDS] uint64 from the workspace: [0, 7) ns at each phase, [7] MAGIC, [8, 15) cycles, [15] smid << 32 |
-    chunks, [16, 20) ns at each warp's loop end, [20, 24) ns at each warp's partial staged. Raises when a CTA's magic word is missing (not a timeline build, or the splits were merged by the combine
-    kernel, whose partials fill the workspace)."""
+    chunks, [16, 20) ns at each warp's loop end, [20, 24) ns at each warp's partial staged. Raises when a CTA's magic
+    word is missing (not a timeline build, or the splits were merged by the combine kernel, whose partials fill the
+    workspace)."""
     raw = np.asarray(partial_o).reshape(-1).view(np.uint64)
     s = raw[: ctas * WORDS].reshape(ctas, WORDS)
     missing = int((s[:, 7] != MAGIC).sum())
