@@ -119,10 +119,12 @@ NB_MODULE(_jax_msa_cuda, m) {
         nanobind::dict d;
         d["combine_kernel"] = counts[0];
         d["cluster"] = counts[1];
+        d["teams"] = counts[2];
         return d;
       },
       "Split-K launches of the warp-MMA decode since the module loaded, by how their splits were merged: "
-      "{'combine_kernel': n, 'cluster': n} (sm80/decode/cluster_launch.h). A handler counts when it enqueues, so a "
+      "{'combine_kernel': n, 'cluster': n, 'teams': n} (sm80/decode/cluster_launch.h). A handler counts when it "
+      "enqueues, so a "
       "call replayed from a captured command buffer is not counted again.");
   jax_msa::ffi_bind::add_version_info(m);
 }

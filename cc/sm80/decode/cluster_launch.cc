@@ -14,7 +14,7 @@ namespace {
 
 constexpr int kMaxPortableClusterSize = 8;
 
-std::atomic<uint64_t> g_merge_counts[2];
+std::atomic<uint64_t> g_merge_counts[3];
 
 }  // namespace
 
@@ -71,8 +71,9 @@ void count_decode_merge(DecodeMerge merge) {
   g_merge_counts[int(merge)].fetch_add(1, std::memory_order_relaxed);
 }
 
-std::array<uint64_t, 2> decode_merge_counts() {
-  return {g_merge_counts[0].load(std::memory_order_relaxed), g_merge_counts[1].load(std::memory_order_relaxed)};
+std::array<uint64_t, 3> decode_merge_counts() {
+  return {g_merge_counts[0].load(std::memory_order_relaxed), g_merge_counts[1].load(std::memory_order_relaxed),
+          g_merge_counts[2].load(std::memory_order_relaxed)};
 }
 
 }  // namespace jax_msa::sm80::decode

@@ -22,7 +22,9 @@ inline cudaLaunchAttribute cluster_dimension(int splits) {
   return cluster;
 }
 
-enum class DecodeMerge : int { kCombineKernel = 0, kCluster = 1 };
+// How a split-K launch merged its splits: the combine kernel, a thread-block cluster, or the teams of one CTA
+// (config.h, CtaShape)
+enum class DecodeMerge : int { kCombineKernel = 0, kCluster = 1, kTeams = 2 };
 
 enum class ClusterSupport : int { kNo = 0, kYes = 1, kUnknown = 2 };
 
@@ -40,7 +42,7 @@ bool use_cluster_merge(const void* kernel, int splits, int threads, int smem_byt
 
 void count_decode_merge(DecodeMerge merge);
 
-// Split-K decode launches since the module loaded: [combine kernel, cluster merge].
-std::array<uint64_t, 2> decode_merge_counts();
+// Split-K decode launches since the module loaded: [combine kernel, cluster merge, teams of one CTA].
+std::array<uint64_t, 3> decode_merge_counts();
 
 }  // namespace jax_msa::sm80::decode

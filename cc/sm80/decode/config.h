@@ -18,7 +18,8 @@
 //               CTA-wide barrier; the 4 warps merge through shared memory at the end
 //   output    : one split -> bf16 out and lse directly; several -> on sm_90+ the splits of a (token, KV head) run as
 //               one thread-block cluster and merge through distributed shared memory (cluster_merge.cuh); else
-//               fp32 partials + the combine kernel (combine_splits.cu)
+//               fp32 partials + the combine kernel (combine_splits.cu). FP8 with 2 splits: one CTA of two teams of
+//               4 warps, a split each, merged through its shared memory (CtaShape below), on every GPU
 #pragma once
 #include <cstdint>
 
@@ -71,6 +72,7 @@ struct FormatTraits<KvFormat::kBf16> {
   static constexpr int kCtasPerSm = 2;
   static constexpr bool kQFragmentsInShared = false;
   static constexpr MmaOperand kOperand = MmaOperand::kBf16;
+  static constexpr int kTeamSplits = 0;  // no team variant
 };
 
 template <>
@@ -82,6 +84,8 @@ struct FormatTraits<KvFormat::kFp8> {
   static constexpr int kCtasPerSm = 4;
   static constexpr bool kQFragmentsInShared = true;  // 128 registers a thread: the 32 of Q would spill
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
+  // num_splits == kTeamSplits runs as one CTA of that many teams a (token, KV head) (CtaShape): no cluster phases
+  static constexpr int kTeamSplits = 2;
 };
 
 template <>
@@ -96,25 +100,49 @@ struct FormatTraits<KvFormat::kNvfp4> {
   static constexpr int kCtasPerSm = 3;
   static constexpr bool kQFragmentsInShared = false;
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
+  static constexpr int kTeamSplits = 0;  // no team variant
+};
+
+// A CTA of kTeams teams of kWarps warps. kTeams = 1: the kernel as described above (one split a CTA). kTeams > 1
+// (FormatTraits::kTeamSplits, when num_splits equals it): team t of the CTA runs split t of its (token, KV head) with
+// its own chunk table and pipeline stages, exactly as a one-team CTA would, and the CTA's kTeams x 4 warps merge
+// through its shared memory and write the output: two splits without the cluster barrier and the cluster merge. Its
+// Q fragments stay in registers and its budget is one CTA an SM (256 threads, up to 255 registers), so its
+// kTeams x kStages stages fit the 99 KB a block of sm_86 / sm_89 / sm_120 too.
+template <KvFormat F, int Teams>
+struct CtaShape {
+  static_assert(Teams == 1 || Teams == FormatTraits<F>::kTeamSplits, "the team variant of a format that has one");
+  static constexpr int kTeams = Teams;
+  static constexpr int kWarpsPerCta = Teams * kWarps;
+  static constexpr int kThreadsPerCta = kWarpsPerCta * 32;
+  static constexpr bool kQFragmentsInShared = Teams == 1 && FormatTraits<F>::kQFragmentsInShared;
+  static constexpr int kCtasPerSm = Teams == 1 ? FormatTraits<F>::kCtasPerSm : 1;
+  // a team's chunk table: its share of at most kMaxTopk blocks, two chunks each
+  static constexpr int kMaxTeamChunks = 2 * ((kMaxTopk + Teams - 1) / Teams);
+  // the warps' merge: each thread one row and kMergeDims consecutive dims of it
+  static constexpr int kMergeDims = kRows * kHeadDim / kThreadsPerCta;
+  static_assert(kMergeDims % 8 == 0, "whole 16-byte bf16 stores");
 };
 
 // Shared-memory plan: [stages | Q fragments (kQFragmentsInShared)] dynamic; the chunk table and the merge
 // statistics are static arrays
-template <KvFormat F>
+template <KvFormat F, int Teams = 1>
 struct SharedPlan {
   using T = FormatTraits<F>;
+  using Shape = CtaShape<F, Teams>;
   static constexpr int kStagesOffset = 0;
-  static constexpr int kStageAreaBytes = T::kStages * T::kStageBytes;
+  static constexpr int kTeamStageBytes = T::kStages * T::kStageBytes;  // team t's stages at t x this
+  static constexpr int kStageAreaBytes = Teams * kTeamStageBytes;
   // 8 k-steps x 32 lanes x 16 B (4 registers of the A operand): the warps' common Q fragments
   static constexpr int kQFragmentOffset = kStagesOffset + kStageAreaBytes;
-  static constexpr int kQFragmentBytes = T::kQFragmentsInShared ? 8 * 32 * 16 : 0;
+  static constexpr int kQFragmentBytes = Shape::kQFragmentsInShared ? 8 * 32 * 16 : 0;
   static constexpr int kBytes = kQFragmentOffset + kQFragmentBytes;
-  // The prologue stages the query tile in the last pipeline stage, which the main loop first fills at chunk 0.
+  // The prologue stages the query tile in team 0's last pipeline stage, which its main loop first fills at chunk 0.
   static constexpr int kQueryTileOffset = kStagesOffset + (T::kStages - 1) * T::kStageBytes;
   static_assert(T::kStageBytes >= kQTileBytes && T::kStageBytes % 16 == 0, "the query tile fits the last stage");
   // The epilogue reuses the stage area for the warps' fp32 partial outputs (and the cluster merge then for the slice
   // it gathers from the splits: cluster_merge.cuh's ClusterGather).
-  static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
+  static constexpr int kMergeBytes = Shape::kWarpsPerCta * kRows * kHeadDim * 4;
   static_assert(kStageAreaBytes >= kMergeBytes, "merge area must fit in the reused stages");
   // The cluster merge (cluster_merge.cuh) stages the CTA's partial after the merge area: 16 x 128 fp32 + 16 lse.
   static constexpr int kClusterPartialOffset = kMergeBytes;
@@ -123,7 +151,7 @@ struct SharedPlan {
   // What one CTA takes of an SM's shared memory: the dynamic bytes, a few KB of static arrays and the driver's reserve
   static constexpr int kSmFootprintBytes = kBytes + 3 * 1024;
   // kCtasPerSm CTAs an SM on sm_90 / sm_100
-  static_assert(T::kCtasPerSm * kSmFootprintBytes <= kSm90SharedBytes, "kCtasPerSm CTAs fit an SM's shared memory");
+  static_assert(Shape::kCtasPerSm * kSmFootprintBytes <= kSm90SharedBytes, "kCtasPerSm CTAs fit an SM's shared memory");
   // <= 96 KB dynamic + a few KB of static arrays: within the 99 KB per-block limit of sm_86 / sm_89 / sm_120,
   // so the same kernels launch on every sm_80+ GPU.
   static_assert(kBytes <= 96 * 1024, "fits every sm_80+ GPU");
@@ -133,9 +161,9 @@ struct SharedPlan {
 // what the shared memory of the architecture being compiled holds (register_budget.h), so that a GPU which can never
 // run kCtasPerSm of them does not get their register cap (FP8's 4 CTAs an SM would spill on sm_120, where one fits).
 // On sm_90 and sm_100 it is kCtasPerSm.
-template <KvFormat F>
+template <KvFormat F, int Teams = 1>
 constexpr int register_budget_ctas() {
-  return sm80::register_budget_ctas(FormatTraits<F>::kCtasPerSm, SharedPlan<F>::kSmFootprintBytes);
+  return sm80::register_budget_ctas(CtaShape<F, Teams>::kCtasPerSm, SharedPlan<F, Teams>::kSmFootprintBytes);
 }
 
 }  // namespace jax_msa::sm80::decode

@@ -43,18 +43,24 @@ __device__ __forceinline__ void prefetch_block_table_row(const DecodeParams& p, 
 #endif
 }
 
-template <KvFormat F>
-__global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
+// kTeams (config.h, CtaShape): 1, one split a CTA; FormatTraits<F>::kTeamSplits, the CTA's teams run the
+// (token, KV head)'s num_splits == kTeams splits and the CTA writes the output (no cluster, no combine kernel).
+template <KvFormat F, int kTeams>
+__global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_budget_ctas<F, kTeams>())
     sparse_decode_kernel(const DecodeParams p, bool merge_in_cluster) {
   using Traits = FormatTraits<F>;
-  using Plan = SharedPlan<F>;
+  using Shape = CtaShape<F, kTeams>;
+  using Plan = SharedPlan<F, kTeams>;
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ ChunkRef s_chunks[kMaxChunks];
-  __shared__ int s_num_chunks;
-  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
+  __shared__ ChunkRef s_chunks[kTeams][Shape::kMaxTeamChunks];
+  __shared__ int s_num_chunks[kTeams];
+  __shared__ float s_m[Shape::kWarpsPerCta][kRows], s_l[Shape::kWarpsPerCta][kRows];
 
   const int split = blockIdx.x, g = blockIdx.y, t = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // team = this warp's split among the CTA's kTeams (warp-uniform); team_warp = its warp index within the team
+  const int team = kTeams == 1 ? 0 : warp / kWarps, team_warp = kTeams == 1 ? warp : warp % kWarps;
+  if constexpr (kTeams > 1) merge_in_cluster = false;  // (the launcher passes false): no cluster code, no timeline
   const int group = p.num_q_heads / p.num_kv_heads;
   const int b = t / p.q_len;
   const int64_t tokens = int64_t(p.batch) * p.q_len;
@@ -66,13 +72,13 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   // ---- 1. the loads that depend on nothing are issued first, so their latencies overlap: the query tile (one
   //         cp.async group, staged in the last pipeline stage, which the loop first fills at chunk 0), the top-k row
   //         (warp 0), the request's block-table row into L2 (warp 1) and the request's length
-  uint8_t* stages = smem + Plan::kStagesOffset;
+  uint8_t* stages = smem + Plan::kStagesOffset + team * Plan::kTeamStageBytes;  // this team's
   auto stage_ptr = [&](int c) { return stages + (c % Traits::kStages) * Traits::kStageBytes; };
-  uint8_t* q_tile = smem + Plan::kQueryTileOffset;  // = stage_ptr(kStages - 1)
-  load_q_tile(q_tile, p, q_row_base, group);
+  uint8_t* q_tile = smem + Plan::kQueryTileOffset;  // = team 0's stage_ptr(kStages - 1)
+  load_q_tile<Shape::kThreadsPerCta>(q_tile, p, q_row_base, group);
   cute::cp_async_fence();
   const int32_t* topk_row = p.topk_ids + (int64_t(g) * tokens + t) * p.topk;
-  const int id = warp == 0 && lane < p.topk ? topk_row[lane] : -1;
+  const int id = team_warp == 0 && lane < p.topk ? topk_row[lane] : -1;  // each team's warp 0 reads the row
   if (warp == 1 && lane == 0) prefetch_block_table_row(p, b);
   const int seq_len = p.seq_lens[b];
   const int pos = seq_len - p.q_len + t % p.q_len;
@@ -85,8 +91,9 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   const float k_scale = quantized ? p.scales[kKScale] * kUnscale : 1.0f;
   const float v_scale = quantized ? p.scales[kVScale] * kUnscale : 1.0f;
 
-  // ---- 2. the valid, deduplicated blocks of (t, g): one warp ballot; this split's share; its chunks
-  if (warp == 0) {
+  // ---- 2. the valid, deduplicated blocks of (t, g): one warp ballot; this split's share; its chunks (each team's
+  //         warp 0 builds its team's table, in parallel)
+  if (team_warp == 0) {
     const int n_blocks = min((seq_len + kPageSize - 1) / kPageSize, p.max_blocks);
     const bool in_range = id >= 0 && id < n_blocks && pos >= 0 && id <= pos / kPageSize;
     // the page lookup is issued before the duplicate test so that its latency covers it (a duplicate reads the same
@@ -99,7 +106,8 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     const unsigned mask = __ballot_sync(0xffffffffu, valid);
     const int n = __popc(mask);
     const int splits = p.num_splits > 1 ? p.num_splits : 1;  // <= 1: one CTA takes every block
-    const int first = split * n / splits, last = (split + 1) * n / splits;
+    const int part = split * kTeams + team;                    // kTeams > 1: the launch has num_splits == kTeams
+    const int first = part * n / splits, last = (part + 1) * n / splits;
     const int rank = __popc(mask & ((1u << lane) - 1u));
     // chunk slots: block i of this split -> slots 2*(i-first), +1; compacted by a second ballot below
     const int visible = valid ? min(kPageSize, pos - id * kPageSize + 1) : 0;
@@ -110,21 +118,21 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     if (mine) {
       const unsigned before = (1u << lane) - 1u;
       const int slot = __popc(mine_mask & before) + __popc(second_mask & before);
-      s_chunks[slot] = ChunkRef{page, 0, min(visible, kChunkKeys)};
-      if (second) s_chunks[slot + 1] = ChunkRef{page, 1, visible - kChunkKeys};
+      s_chunks[team][slot] = ChunkRef{page, 0, min(visible, kChunkKeys)};
+      if (second) s_chunks[team][slot + 1] = ChunkRef{page, 1, visible - kChunkKeys};
     }
-    if (lane == 0) s_num_chunks = __popc(mine_mask) + __popc(second_mask);
+    if (lane == 0) s_num_chunks[team] = __popc(mine_mask) + __popc(second_mask);
   }
   __syncthreads();
-  const int n_chunks = s_num_chunks;
+  const int n_chunks = s_num_chunks[team];
   timeline_mark(merge_in_cluster, Phase::kChunkTable, n_chunks);
 
   // ---- 3. the first stages' KV loads, issued before the query conversion waits for the query
-  const int key0 = warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads and reads only those
+  const int key0 = team_warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads and reads only those
                                          // rows, so the loop synchronizes with __syncwarp alone
 #pragma unroll
   for (int c = 0; c < Traits::kStages - 1; ++c) {
-    if (c < n_chunks) ChunkIO<F>::load(stage_ptr(c), p.kv_cache, p.num_kv_heads, g, s_chunks[c], key0, lane);
+    if (c < n_chunks) ChunkIO<F>::load(stage_ptr(c), p.kv_cache, p.num_kv_heads, g, s_chunks[team][c], key0, lane);
     cute::cp_async_fence();
   }
 
@@ -132,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
 
   // ---- 4. Q fragments (A operand, 8 k-steps of 16 dims) for rows lane/4 and lane/4 + 8
   const int r0 = lane >> 2, c2 = (lane & 3) * 2;
-  QFragmentSource<Traits::kQFragmentsInShared> q_source(smem + Plan::kQFragmentOffset, lane);
+  QFragmentSource<Shape::kQFragmentsInShared> q_source(smem + Plan::kQFragmentOffset, lane);
   float row_scale[2];
   // One straight-line path per query type (the type is uniform over the grid)
   auto prepare_q = [&](auto q_fp8) {
@@ -142,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     uint32_t q_raw[8][4];
     read_q_raw<Traits::kRegisterDims, kQFp8>(q_tile, lane, q_raw);
     uint32_t qf[8][4];
-    if constexpr (Traits::kQFragmentsInShared) {  // converted before the barrier that publishes warp 0's copy
+    if constexpr (Shape::kQFragmentsInShared) {  // converted before the barrier that publishes warp 0's copy
       q_fragments_from_raw<kOp, kQFp8>(q_raw, qf, row_scale);
       q_source.keep(qf, warp);
       __syncthreads();  // the tile is read (chunk 0 may refill its stage) and the shared fragments are written
@@ -185,10 +193,10 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     __syncwarp();  // the warp's rows of chunk c have landed; its rows of chunk c-1's stage are free
     const int next = c + Traits::kStages - 1;
     if (next < n_chunks)
-      ChunkIO<F>::load(stages + write_stage * Traits::kStageBytes, p.kv_cache, p.num_kv_heads, g, s_chunks[next], key0,
-                       lane);
+      ChunkIO<F>::load(stages + write_stage * Traits::kStageBytes, p.kv_cache, p.num_kv_heads, g, s_chunks[team][next],
+                       key0, lane);
     cute::cp_async_fence();
-    const ChunkRef ref = s_chunks[c];
+    const ChunkRef ref = s_chunks[team][c];
     const uint8_t* stage = stages + read_stage * Traits::kStageBytes;
     read_stage = read_stage == Traits::kStages - 1 ? 0 : read_stage + 1;
     write_stage = write_stage == Traits::kStages - 1 ? 0 : write_stage + 1;
@@ -254,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   timeline_mark(merge_in_cluster, Phase::kLoopDone);
   timeline_warp_mark(merge_in_cluster, WarpPhase::kLoopDone);
 
-  // ---- 6. merge the 4 warps' (m, l, O) through shared memory
+  // ---- 6. merge the CTA's warps' (m, l, O) through shared memory (every team's: kTeams x 4 warps)
   softmax.reduce_row_sums();
   __syncthreads();  // every warp is done with the stages: reuse them for the partial outputs
   float* merge = reinterpret_cast<float*>(smem);  // [warp][row][d]
@@ -290,27 +298,30 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   timeline_warp_mark(merge_in_cluster, WarpPhase::kStaged);
   __syncthreads();
 
-  // thread -> (row, 16 dims): 16 rows x 8 groups of 16 dims; rows past the group are computed (on zero queries)
-  // but never stored
-  const int row = threadIdx.x >> 3, d0 = (threadIdx.x & 7) * 16;
+  // thread -> (row, kDims dims): 16 rows x (128 / kDims) groups (one team: 16 dims, two: 8); rows past the group are
+  // computed (on zero queries) but never stored
+  constexpr int kDims = Shape::kMergeDims, kMergeWarps = Shape::kWarpsPerCta;
+  constexpr int kGroupsPerRow = kHeadDim / kDims;
+  const int row = threadIdx.x / kGroupsPerRow, d0 = (threadIdx.x % kGroupsPerRow) * kDims;
+  const bool row_leader = threadIdx.x % kGroupsPerRow == 0;  // stores the row's lse
   const bool stored_row = row < group;
   if (!stored_row && !merge_in_cluster) return;
   float m_all = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, s_m[w][row]);
-  float wgt[kWarps], l_all = 0.0f;
+  for (int w = 0; w < kMergeWarps; ++w) m_all = fmaxf(m_all, s_m[w][row]);
+  float wgt[kMergeWarps], l_all = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
+  for (int w = 0; w < kMergeWarps; ++w) {
     wgt[w] = m_all == -INFINITY ? 0.0f : exp2f(s_m[w][row] - m_all);
     l_all += s_l[w][row] * wgt[w];
   }
-  float o[16];
+  float o[kDims];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) o[j] = 0.0f;
+  for (int j = 0; j < kDims; ++j) o[j] = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
+  for (int w = 0; w < kMergeWarps; ++w) {
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < kDims / 4; ++u) {
       const float4 x = *reinterpret_cast<const float4*>(merge + merge_offset(w, row, (d0 >> 2) + u));
       o[4 * u] += wgt[w] * x.x;
       o[4 * u + 1] += wgt[w] * x.y;
@@ -323,15 +334,24 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
   const float inv = empty ? 0.0f : v_scale / l_all;
   const float lse = empty ? -INFINITY : (m_all + log2f(l_all)) * kLn2;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) o[j] *= inv;
+  for (int j = 0; j < kDims; ++j) o[j] *= inv;
   const int64_t out_row = q_row_base + row;
-  if (merge_in_cluster) {  // every thread takes part in the cluster's barriers
+  if constexpr (kTeams > 1) {  // the CTA holds every split of (t, g): the output itself
+    uint32_t packed[kDims / 2];
+#pragma unroll
+    for (int j = 0; j < kDims / 2; ++j) packed[j] = pack_bf16x2(o[2 * j], o[2 * j + 1]);
+    uint4* dst = reinterpret_cast<uint4*>(p.out + out_row * kHeadDim + d0);
+#pragma unroll
+    for (int j = 0; j < kDims / 8; ++j)
+      dst[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2], packed[4 * j + 3]);
+    if (row_leader) p.lse[out_row] = lse;
+  } else if (merge_in_cluster) {  // every thread takes part in the cluster's barriers
     ClusterPartial* part = reinterpret_cast<ClusterPartial*>(smem + Plan::kClusterPartialOffset);
     if (stored_row) {
       float4* dst = reinterpret_cast<float4*>(&part->o[row][d0]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) dst[j] = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
-      if ((threadIdx.x & 7) == 0) part->lse[row] = lse;
+      if (row_leader) part->lse[row] = lse;
     }
     timeline_mark(merge_in_cluster, Phase::kWarpMerge);
     merge_cluster_splits(p, part, reinterpret_cast<ClusterGather*>(merge), group, q_row_base);
@@ -342,13 +362,13 @@ __global__ void __launch_bounds__(kThreads, register_budget_ctas<F>())
     uint4* dst = reinterpret_cast<uint4*>(p.out + out_row * kHeadDim + d0);
     dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    if ((threadIdx.x & 7) == 0) p.lse[out_row] = lse;
+    if (row_leader) p.lse[out_row] = lse;
   } else {
     const int64_t prow = int64_t(split) * tokens * p.num_q_heads + out_row;
     float4* dst = reinterpret_cast<float4*>(p.partial_o + prow * kHeadDim + d0);
 #pragma unroll
     for (int j = 0; j < 4; ++j) dst[j] = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
-    if ((threadIdx.x & 7) == 0) p.partial_lse[prow] = lse;
+    if (row_leader) p.partial_lse[prow] = lse;
   }
 }
 

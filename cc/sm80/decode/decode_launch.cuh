@@ -1,5 +1,6 @@
 // Definition of launch_sparse_decode<F>; included by exactly one decode_<format>.cu each.
 #pragma once
+#include "cuda/env_flag.h"
 #include "cuda/launch_config.h"
 #include "sm80/decode/cluster_launch.h"
 #include "sm80/decode/decode.h"
@@ -7,11 +8,30 @@
 
 namespace jax_msa::sm80::decode {
 
+// num_splits == FormatTraits<F>::kTeamSplits: one CTA a (token, KV head), its teams the splits (config.h, CtaShape).
+// The same path on every GPU and batch size, so a fixed num_splits stays batch-invariant; JAX_MSA_DECODE_CLUSTER_MERGE
+// = 0 (a test switch) sends the splits to the combine kernel instead.
+template <KvFormat F>
+cudaError_t launch_team_splits(const DecodeParams& p, cudaStream_t stream) {
+  constexpr int kTeams = FormatTraits<F>::kTeamSplits;
+  constexpr int kSmem = SharedPlan<F, kTeams>::kBytes;
+  if (cudaError_t e = cuda::ensure_dynamic_smem<sparse_decode_kernel<F, kTeams>>(kSmem); e != cudaSuccess) return e;
+  const dim3 grid(1, p.num_kv_heads, p.batch * p.q_len);
+  sparse_decode_kernel<F, kTeams><<<grid, CtaShape<F, kTeams>::kThreadsPerCta, kSmem, stream>>>(p, false);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  count_decode_merge(DecodeMerge::kTeams);
+  return cudaSuccess;
+}
+
 template <KvFormat F>
 cudaError_t launch_sparse_decode(const DecodeParams& p, cudaStream_t stream) {
+  if constexpr (FormatTraits<F>::kTeamSplits > 1) {
+    if (p.num_splits == FormatTraits<F>::kTeamSplits && !cuda::env_equals("JAX_MSA_DECODE_CLUSTER_MERGE", "0"))
+      return launch_team_splits<F>(p, stream);
+  }
   constexpr int kSmem = SharedPlan<F>::kBytes;
-  auto kernel = sparse_decode_kernel<F>;
-  if (cudaError_t e = cuda::ensure_dynamic_smem<sparse_decode_kernel<F>>(kSmem); e != cudaSuccess) return e;
+  auto kernel = sparse_decode_kernel<F, 1>;
+  if (cudaError_t e = cuda::ensure_dynamic_smem<sparse_decode_kernel<F, 1>>(kSmem); e != cudaSuccess) return e;
   const int splits = p.num_splits > 1 ? p.num_splits : 1;
   const dim3 grid(splits, p.num_kv_heads, p.batch * p.q_len);
   if (splits > 1 && use_cluster_merge(reinterpret_cast<const void*>(kernel), splits, kThreads, kSmem)) {

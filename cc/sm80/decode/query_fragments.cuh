@@ -25,11 +25,13 @@ __device__ __forceinline__ int q_tile_offset(int row, int d) {
   return swizzled_offset(row, d >> 3) + (d & 7) * 2;
 }
 
-// Issues the query tile's loads (the caller commits them as one group): 16-byte units, zero-filled past the group.
+// Issues the query tile's loads (the caller commits them as one group): 16-byte units, zero-filled past the group;
+// kCtaThreads threads share them.
+template <int kCtaThreads>
 __device__ __forceinline__ void load_q_tile(uint8_t* q_tile, const DecodeParams& p, int64_t row_base, int group) {
   const int units_per_row = p.q_is_fp8 ? kHeadDim / 16 : kHeadDim * 2 / 16;
   const uint8_t* q = static_cast<const uint8_t*>(p.q) + row_base * kHeadDim * (p.q_is_fp8 ? 1 : 2);
-  for (int u = threadIdx.x; u < kRows * units_per_row; u += kThreads) {
+  for (int u = threadIdx.x; u < kRows * units_per_row; u += kCtaThreads) {
     const int row = u / units_per_row, unit = u % units_per_row;
     const bool live = row < group;
     const uint8_t* src = q + (live ? u * 16 : 0);  // rows < group of (t, g) are contiguous
