@@ -383,6 +383,13 @@ def test_decode_small_for_sanitizer(fmt):
     check_case(make_case(3, fmt, 16, 2, 2))
 
 
+@pytest.mark.sanitize
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+def test_decode_fp8_teams_small_for_sanitizer():
+    """The two-team FP8 kernel (num_splits == 2) under memcheck: G = 8 (rows past the group computed, never stored)."""
+    check_case(make_case(4, KVFormat.FP8, 8, 2, 2), num_splits=2)
+
+
 def test_split_rule_sees_the_gpus_sm_count():
     """ops.cuda_sm_count() reads the SM count from JAX's device (core_count); without the attribute it would quietly
     fall back to the H200's 132, so check the attribute is there and agrees (H100 SXM / H200: 132 SMs)."""
