@@ -190,15 +190,24 @@ def test_decode_corners(fmt, corner):
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
-@pytest.mark.parametrize("topk", [4, 8, 32])
-def test_decode_topk_sizes(topk):
-    case = make_case(31 + topk, KVFormat.BF16, 16, 2, 3)
+@pytest.mark.parametrize("corner", ["holes", "short", "straddle", "early", "bad_pages"])
+def test_decode_fp8_teams_corners(corner):
+    """The corners on the two-team FP8 kernel (num_splits = 2): teams with no chunk, empty (token, KV head) pairs."""
+    check_case(make_case(17, KVFormat.FP8, 16, 4, 5, corner=corner), num_splits=2)
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("topk,fmt,splits", [(4, KVFormat.BF16, None), (8, KVFormat.BF16, None),
+                                              (32, KVFormat.BF16, None), (32, KVFormat.FP8, 2)])
+def test_decode_topk_sizes(topk, fmt, splits):
+    """Top-k 4 / 8 / 32 (random ids: holes, duplicates, out of range), and 32 on the two-team FP8 kernel."""
+    case = make_case(31 + topk, fmt, 16, 2, 3)
     rng = np.random.default_rng(topk)
     seq = np.asarray(case["seq_lens"])
     t = case["q"].shape[0]
     ids = rng.integers(-1, -(-int(seq.max()) // 128), (HKV, t, topk)).astype(np.int32)
     case["topk"] = jnp.asarray(ids)
-    check_case(case)
+    check_case(case, **({} if splits is None else dict(num_splits=splits)))
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")

@@ -19,7 +19,8 @@
 //   output    : one split -> bf16 out and lse directly; several -> on sm_90+ the splits of a (token, KV head) run as
 //               one thread-block cluster and merge through distributed shared memory (cluster_merge.cuh); else
 //               fp32 partials + the combine kernel (combine_splits.cu). FP8 with 2 splits: one CTA of two teams of
-//               4 warps, a split each, merged through its shared memory (CtaShape below), on every GPU
+//               4 warps, a split each, merged through its shared memory (CtaShape below), on every GPU that runs
+//               these kernels
 #pragma once
 #include <cstdint>
 

@@ -9,7 +9,8 @@
 namespace jax_msa::sm80::decode {
 
 // num_splits == FormatTraits<F>::kTeamSplits: one CTA a (token, KV head), its teams the splits (config.h, CtaShape).
-// The same path on every GPU and batch size, so a fixed num_splits stays batch-invariant; JAX_MSA_DECODE_CLUSTER_MERGE
+// The same path on every GPU and batch size that runs these warp-MMA kernels (not where the opt-in tcgen05 decode
+// serves the call), so a fixed num_splits stays batch-invariant; JAX_MSA_DECODE_CLUSTER_MERGE
 // = 0 (a test switch) sends the splits to the combine kernel instead.
 template <KvFormat F>
 cudaError_t launch_team_splits(const DecodeParams& p, cudaStream_t stream) {
