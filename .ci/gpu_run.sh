@@ -6,7 +6,8 @@
 #                                     test_warp_mma test_natural_order sanitize bench profile compare
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
 #                                     test takes ~12 on an H100 (170 tests, twenty-eighth session: test_decode
-#                                     120 in ~5.5, test_prefill 50 in ~6.5); so run them in separate calls, and the
+#                                     120 in ~5.5, test_prefill 50 in ~6.5; on the H200, thirty-second session:
+#                                     test_decode's 151 more than 7.3, test_prefill 7.8); so run them in separate calls, and the
 #                                     default list no longer fits one call),
 #                                     test_off + test_pipelined ~4, sanitize ~3: one process a test)
 #
