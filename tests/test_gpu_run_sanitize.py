@@ -2,7 +2,8 @@
 the command it was given instead of running it. The stage must collect the tests marked `gpu and sanitize` and run each
 in its own sanitized process (several in one process segfaulted the sanitized process on the H200, without a report),
 report "N of N tests clean", name the tests that failed, and fail on a selection that matches nothing or a collection
-that breaks, rather than sanitize what it could collect and call the stage clean.
+that breaks, rather than sanitize what it could collect and call the stage clean. A sanitized process killed by a signal
+runs once more with XLA compiling on one thread; a second crash is named as a crash.
 
 The script runs from a copy of .ci/gpu_run.sh, tests/ and pyproject.toml: its in-tree mode puts the tree first on
 PYTHONPATH, and the copy holds no jax_msa, so collection imports the jax_msa this session tests (CI's installed one)."""
@@ -20,12 +21,17 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Drops the sanitizer's own options, appends the command to $STUB_LOG, fails when it names a test in $STUB_FAIL.
+# Drops the sanitizer's own options, appends the command (after the XLA_FLAGS it sees) to $STUB_LOG, fails when it
+# names a test in $STUB_FAIL, and dies of SIGSEGV (as the real tool's process did, without a report) when it names the
+# test in $STUB_CRASH: every time, or only the first time with STUB_CRASH_ONCE set (a marker file remembers it).
 STUB = """#!/usr/bin/env bash
 while [[ "$1" == --* ]]; do
   case "$1" in --tool|--error-exitcode|--report-api-errors) shift 2 ;; *) shift ;; esac
 done
-echo "$*" >> "$STUB_LOG"
+echo "XLA_FLAGS=[${XLA_FLAGS:-}] $*" >> "$STUB_LOG"
+if [[ -n "${STUB_CRASH:-}" && "$*" == *"${STUB_CRASH}"* ]]; then
+  if [[ -z "${STUB_CRASH_ONCE:-}" || ! -e "$STUB_LOG.crashed" ]]; then touch "$STUB_LOG.crashed"; kill -SEGV $$; fi
+fi
 [[ -n "${STUB_FAIL:-}" && "$*" == *"${STUB_FAIL}"* ]] && exit 1
 exit 0
 """
@@ -103,3 +109,26 @@ def test_a_broken_collection_fails(tmp_path):
     rc, out, commands, _ = run_sanitize_stage(tmp_path, PYTEST_ADDOPTS="-p no_such_pytest_plugin_here")
     assert rc != 0 and "sanitize: test collection failed" in out, out
     assert commands == []
+
+
+def test_a_crash_runs_once_more_with_xla_compiling_on_one_thread(tmp_path, sanitize_ids):
+    crashing = sanitize_ids[0]
+    rc, out, commands, _ = run_sanitize_stage(tmp_path, STUB_CRASH=crashing.split("::", 1)[1], STUB_CRASH_ONCE="1")
+    n = len(sanitize_ids)
+    assert rc == 0, out
+    assert "died of signal 11 without a report" in out, out
+    assert f"sanitize: {n} of {n} tests clean" in out, out
+    assert len(commands) == n + 1, commands  # the crashed test twice, the others once
+    first, retry = commands[0], commands[1]
+    assert crashing.split("::", 1)[1] in retry
+    assert "force_compilation_parallelism" not in first and "--xla_gpu_force_compilation_parallelism=1" in retry, commands
+    assert not any("force_compilation_parallelism" in c for c in commands[2:]), commands
+
+
+def test_a_second_crash_is_named_as_a_crash(tmp_path, sanitize_ids):
+    crashing = sanitize_ids[-1]
+    rc, out, commands, _ = run_sanitize_stage(tmp_path, STUB_CRASH=crashing.split("::", 1)[1])
+    n = len(sanitize_ids)
+    assert rc != 0, out
+    assert f"sanitize: {n - 1} of {n} clean; failed: {crashing} (crashed twice: signal 11, no memcheck report)" in out, out
+    assert len(commands) == n + 1, commands
