@@ -336,16 +336,7 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
 #pragma unroll
   for (int j = 0; j < kDims; ++j) o[j] *= inv;
   const int64_t out_row = q_row_base + row;
-  if constexpr (kTeams > 1) {  // the CTA holds every split of (t, g): the output itself
-    uint32_t packed[kDims / 2];
-#pragma unroll
-    for (int j = 0; j < kDims / 2; ++j) packed[j] = pack_bf16x2(o[2 * j], o[2 * j + 1]);
-    uint4* dst = reinterpret_cast<uint4*>(p.out + out_row * kHeadDim + d0);
-#pragma unroll
-    for (int j = 0; j < kDims / 8; ++j)
-      dst[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2], packed[4 * j + 3]);
-    if (row_leader) p.lse[out_row] = lse;
-  } else if (merge_in_cluster) {  // every thread takes part in the cluster's barriers
+  if (merge_in_cluster) {  // every thread takes part in the cluster's barriers (never with kTeams > 1)
     ClusterPartial* part = reinterpret_cast<ClusterPartial*>(smem + Plan::kClusterPartialOffset);
     if (stored_row) {
       float4* dst = reinterpret_cast<float4*>(&part->o[row][d0]);
@@ -355,13 +346,14 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
     }
     timeline_mark(merge_in_cluster, Phase::kWarpMerge);
     merge_cluster_splits(p, part, reinterpret_cast<ClusterGather*>(merge), group, q_row_base);
-  } else if (p.num_splits <= 1) {
-    uint32_t packed[8];
+  } else if (kTeams > 1 || p.num_splits <= 1) {  // the CTA holds every split of (t, g): the output itself
+    uint32_t packed[kDims / 2];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) packed[j] = pack_bf16x2(o[2 * j], o[2 * j + 1]);
+    for (int j = 0; j < kDims / 2; ++j) packed[j] = pack_bf16x2(o[2 * j], o[2 * j + 1]);
     uint4* dst = reinterpret_cast<uint4*>(p.out + out_row * kHeadDim + d0);
-    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+#pragma unroll
+    for (int j = 0; j < kDims / 8; ++j)
+      dst[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2], packed[4 * j + 3]);
     if (row_leader) p.lse[out_row] = lse;
   } else {
     const int64_t prow = int64_t(split) * tokens * p.num_q_heads + out_row;
