@@ -221,24 +221,22 @@ stage_sanitize() {
   # small bf16 case twice in the thirty-second session, H200) runs once more with XLA compiling on one thread, which
   # ran clean where that crash had come before (twenty-fifth session); a second crash is reported as such, not as
   # memcheck errors.
-  local id rc=0 i=0 failed=() id_rc retry_flags
+  local id rc=0 i=0 failed=() id_rc
+  sanitize_one() {  # node id, junit file, extra XLA flags
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer= ${3}" \
+    PYTEST_TARGET="${REPO}/${1}" run_pytest "${2}" -m "gpu and sanitize"
+  }
   for id in "${ids[@]}"; do
     i=$((i + 1))
     echo "--- memcheck ${i}/${#ids[@]}: ${id}"
-    retry_flags=""
-    while :; do
-      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=${retry_flags}" \
-      PYTEST_TARGET="${REPO}/${id}" run_pytest "${LOG_DIR}/junit_sanitize_${i}.xml" -m "gpu and sanitize" \
-        && id_rc=0 || id_rc=$?  # (stages run under set -e)
-      if (( id_rc > 128 )) && [[ -z "${retry_flags}" ]]; then
-        echo "sanitize: the sanitized process died of signal $((id_rc - 128)) without a report; again with" \
-          "--xla_gpu_force_compilation_parallelism=1"
-        retry_flags=" --xla_gpu_force_compilation_parallelism=1"
-        continue
-      fi
-      break
-    done
+    sanitize_one "${id}" "${LOG_DIR}/junit_sanitize_${i}.xml" "" && id_rc=0 || id_rc=$?  # (stages run under set -e)
+    if (( id_rc > 128 )); then
+      echo "sanitize: the sanitized process died of signal $((id_rc - 128)) without a report; again with" \
+        "--xla_gpu_force_compilation_parallelism=1"
+      sanitize_one "${id}" "${LOG_DIR}/junit_sanitize_${i}.xml" "--xla_gpu_force_compilation_parallelism=1" \
+        && id_rc=0 || id_rc=$?
+    fi
     if (( id_rc > 128 )); then
       rc=1; failed+=("${id} (crashed twice: signal $((id_rc - 128)), no memcheck report)")
     elif (( id_rc != 0 )); then
