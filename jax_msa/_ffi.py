@@ -139,7 +139,7 @@ def decode_merge_launches() -> dict:
     """Split-K launches of the CUDA decode since the module loaded, by how their splits were merged:
     {"combine_kernel": n, "cluster": n, "teams": n} (cc/sm80/decode/cluster_launch.h). On sm_90+ the splits of a
     (token, KV head) merge inside a thread-block cluster; JAX_MSA_DECODE_CLUSTER_MERGE=0 (read per call) or more than
-    16 splits take the combine kernel. FP8 with 2 splits runs them as the two teams of one CTA ("teams",
+    16 splits take the combine kernel. FP8 and NVFP4 with 2 splits run them as the two teams of one CTA ("teams",
     cc/sm80/decode/config.h: CtaShape) on every GPU that runs the warp-MMA decode, unless
     JAX_MSA_DECODE_CLUSTER_MERGE=0. Counted when a handler enqueues (a replayed command buffer is not counted)."""
     if _cuda_module is None:

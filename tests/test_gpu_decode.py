@@ -28,6 +28,8 @@ pytestmark = pytest.mark.gpu
 D = 128
 HKV = 2
 K = 16
+# formats whose num_splits == 2 runs as the two 4-warp teams of one CTA (cc/sm80/decode/config.h, kTeamSplits)
+TEAM_FORMATS = [KVFormat.FP8, KVFormat.NVFP4]
 
 
 def _gpu():
@@ -191,16 +193,18 @@ def test_decode_corners(fmt, corner):
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("corner", ["holes", "short", "straddle", "early", "bad_pages"])
-def test_decode_fp8_teams_corners(corner):
-    """The corners on the two-team FP8 kernel (num_splits = 2): teams with no chunk, empty (token, KV head) pairs."""
-    check_case(make_case(17, KVFormat.FP8, 16, 4, 5, corner=corner), num_splits=2)
+@pytest.mark.parametrize("fmt", TEAM_FORMATS, ids=lambda f: f.name)
+def test_decode_teams_corners(fmt, corner):
+    """The corners on the two-team kernels (num_splits = 2): teams with no chunk, empty (token, KV head) pairs."""
+    check_case(make_case(17 + int(fmt), fmt, 16, 4, 5, corner=corner), num_splits=2)
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("topk,fmt,splits", [(4, KVFormat.BF16, None), (8, KVFormat.BF16, None),
-                                              (32, KVFormat.BF16, None), (32, KVFormat.FP8, 2)])
+                                              (32, KVFormat.BF16, None), (32, KVFormat.FP8, 2),
+                                              (32, KVFormat.NVFP4, 2)])
 def test_decode_topk_sizes(topk, fmt, splits):
-    """Top-k 4 / 8 / 32 (random ids: holes, duplicates, out of range), and 32 on the two-team FP8 kernel."""
+    """Top-k 4 / 8 / 32 (random ids: holes, duplicates, out of range), and 32 on the two-team kernels."""
     case = make_case(31 + topk, fmt, 16, 2, 3)
     rng = np.random.default_rng(topk)
     seq = np.asarray(case["seq_lens"])
@@ -308,8 +312,8 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, group, batch, q_len, s
     and 1 heads."""
     from jax_msa import _ffi, ops
 
-    if fmt == KVFormat.FP8 and splits == 2:
-        pytest.skip("FP8's 2 splits run as the teams of one CTA: test_decode_fp8_two_splits_run_as_teams")
+    if fmt in TEAM_FORMATS and splits == 2:
+        pytest.skip(f"{fmt.name}'s 2 splits run as the teams of one CTA: test_decode_two_splits_run_as_teams")
     monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: splits)
     case = make_case(500 + 10 * int(fmt) + batch, fmt, group, q_len, batch)
     paths = {}
@@ -330,15 +334,16 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, group, batch, q_len, s
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("group,batch,q_len", [(16, 1, 1), (16, 64, 1), (16, 5, 3), (8, 7, 2), (4, 3, 1), (1, 9, 1)])
-def test_decode_fp8_two_splits_run_as_teams(group, batch, q_len, monkeypatch):
-    """FP8 with num_splits == 2 runs the two splits as the two 4-warp teams of one CTA a (token, KV head) (config.h,
-    CtaShape), merged through its shared memory: no cluster, no combine kernel (the module's launch counters say
-    which path ran), outputs within the oracle bound (NaN-poisoned), the same bits on a second run, and
+@pytest.mark.parametrize("fmt", TEAM_FORMATS, ids=lambda f: f.name)
+def test_decode_two_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
+    """FP8 and NVFP4 with num_splits == 2 run the two splits as the two 4-warp teams of one CTA a (token, KV head)
+    (config.h, CtaShape), merged through its shared memory: no cluster, no combine kernel (the module's launch
+    counters say which path ran), outputs within the oracle bound (NaN-poisoned), the same bits on a second run, and
     JAX_MSA_DECODE_CLUSTER_MERGE=0 sending the splits to the combine kernel instead (within the bound too)."""
     from jax_msa import _ffi, ops
 
     monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: 2)
-    case = make_case(900 + 10 * group + batch, KVFormat.FP8, group, q_len, batch)
+    case = make_case(900 + 100 * int(fmt) + 10 * group + batch, fmt, group, q_len, batch)
     monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", "1")
     before = _ffi.decode_merge_launches()
     out, lse = check_case(case)
@@ -394,9 +399,10 @@ def test_decode_small_for_sanitizer(fmt):
 
 @pytest.mark.sanitize
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
-def test_decode_fp8_teams_small_for_sanitizer():
-    """The two-team FP8 kernel (num_splits == 2) under memcheck: G = 8 (rows past the group computed, never stored)."""
-    check_case(make_case(4, KVFormat.FP8, 8, 2, 2), num_splits=2)
+@pytest.mark.parametrize("fmt", TEAM_FORMATS, ids=lambda f: f.name)
+def test_decode_teams_small_for_sanitizer(fmt):
+    """The two-team kernels (num_splits == 2) under memcheck: G = 8 (rows past the group computed, never stored)."""
+    check_case(make_case(4 + int(fmt), fmt, 8, 2, 2), num_splits=2)
 
 
 def test_split_rule_sees_the_gpus_sm_count():

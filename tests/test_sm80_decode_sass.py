@@ -13,17 +13,19 @@ import pytest
 import sass as sass_tools
 
 FORMATS = ["bf16", "fp8", "nvfp4"]
+TEAM_FORMATS = ["fp8", "nvfp4"]  # config.h: FormatTraits::kTeamSplits == 2
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_sm90a_merges_in_cluster(fmt, tmp_path):
     sass, log = sass_tools.compile_unit(sass_tools.tools(), f"sm80/decode/decode_{fmt}.cu", "sm_90a", tmp_path)
     kernels = set(re.findall(r"\.text\.(\S*sparse_decode_kernel\S*):", sass))
-    # the one-team kernel (template argument 1), and for FP8 the two-team one (config.h, CtaShape), which has no
-    # cluster code: the barriers below are the one-team kernel's
+    # the one-team kernel (template argument 1), and for FP8 / NVFP4 the two-team one (config.h, CtaShape), which has
+    # no cluster code: the barriers below are the one-team kernel's
+    teams = fmt in TEAM_FORMATS
     assert len([k for k in kernels if "ELi1EE" in k]) == 1, kernels
-    assert len([k for k in kernels if "ELi2EE" in k]) == (1 if fmt == "fp8" else 0), kernels
-    assert len(kernels) == (2 if fmt == "fp8" else 1), kernels
+    assert len([k for k in kernels if "ELi2EE" in k]) == (1 if teams else 0), kernels
+    assert len(kernels) == (2 if teams else 1), kernels
     # two cluster barriers (partials staged; nobody leaves while others read), each an arrive and a wait
     assert len(re.findall(r"\bUCGABAR_ARV\b", sass)) == 2, "cluster barrier arrives"
     assert len(re.findall(r"\bUCGABAR_WAIT\b", sass)) == 2, "cluster barrier waits"

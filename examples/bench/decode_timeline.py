@@ -38,7 +38,8 @@ WORDS = 32  # u64 a CTA (cc/sm80/decode/timeline.cuh: kTimelineWords)
 WARP_LOOP_DONE, WARP_STAGED = 16, 20  # first word of each WarpPhase's 4 per-warp stamps (ns)
 MAGIC = 0x54494D454C494E45  # word 7 of a stamped CTA (kTimelineMagic)
 MAX_CLUSTER_SPLITS = 16  # cc/sm80/decode/cluster_launch.h: more splits take the combine kernel (no stamps)
-FP8_TEAM_SPLITS = 2  # cc/sm80/decode/config.h, FormatTraits<kFp8>::kTeamSplits: one CTA of two teams (no stamps)
+TEAM_SPLITS = 2  # cc/sm80/decode/config.h, FormatTraits<F>::kTeamSplits: one CTA of two teams (no stamps)
+TEAM_FORMATS = (KVFormat.FP8, KVFormat.NVFP4)  # the formats that have a team variant
 
 
 def stamps(partial_o, ctas):
@@ -63,7 +64,7 @@ def run_case(case, calls, splits_override, flush):
     if not 2 <= splits <= MAX_CLUSTER_SPLITS:
         print(f"| {case} | {splits} splits: not merged in a cluster (2..{MAX_CLUSTER_SPLITS}), no stamps |")
         return
-    if fmt == KVFormat.FP8 and splits == FP8_TEAM_SPLITS:
+    if fmt in TEAM_FORMATS and splits == TEAM_SPLITS:
         print(f"| {case} | {splits} splits: the two teams of one CTA (config.h, CtaShape), no cluster, no stamps |")
         return
     rng = np.random.default_rng(0)

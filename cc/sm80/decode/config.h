@@ -18,8 +18,8 @@
 //               CTA-wide barrier; the 4 warps merge through shared memory at the end
 //   output    : one split -> bf16 out and lse directly; several -> on sm_90+ the splits of a (token, KV head) run as
 //               one thread-block cluster and merge through distributed shared memory (cluster_merge.cuh); else
-//               fp32 partials + the combine kernel (combine_splits.cu). FP8 with 2 splits: one CTA of two teams of
-//               4 warps, a split each, merged through its shared memory (CtaShape below), on every GPU that runs
+//               fp32 partials + the combine kernel (combine_splits.cu). FP8 / NVFP4 with 2 splits: one CTA of two teams
+//               of 4 warps, a split each, merged through its shared memory (CtaShape below), on every GPU that runs
 //               these kernels
 #pragma once
 #include <cstdint>
@@ -73,7 +73,8 @@ struct FormatTraits<KvFormat::kBf16> {
   static constexpr int kCtasPerSm = 2;
   static constexpr bool kQFragmentsInShared = false;
   static constexpr MmaOperand kOperand = MmaOperand::kBf16;
-  static constexpr int kTeamSplits = 0;  // no team variant
+  static constexpr int kTeamSplits = 0;  // no team variant (two teams' 3 x 32 KB stages would not fit 96 KB)
+  static constexpr int kTeamStages = 0;
 };
 
 template <>
@@ -85,8 +86,10 @@ struct FormatTraits<KvFormat::kFp8> {
   static constexpr int kCtasPerSm = 4;
   static constexpr bool kQFragmentsInShared = true;  // 128 registers a thread: the 32 of Q would spill
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
-  // num_splits == kTeamSplits runs as one CTA of that many teams a (token, KV head) (CtaShape): no cluster phases
+  // num_splits == kTeamSplits runs as one CTA of that many teams a (token, KV head) (CtaShape): no cluster phases;
+  // each team kTeamStages deep
   static constexpr int kTeamSplits = 2;
+  static constexpr int kTeamStages = 3;
 };
 
 template <>
@@ -101,7 +104,8 @@ struct FormatTraits<KvFormat::kNvfp4> {
   static constexpr int kCtasPerSm = 3;
   static constexpr bool kQFragmentsInShared = false;
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
-  static constexpr int kTeamSplits = 0;  // no team variant
+  static constexpr int kTeamSplits = 2;   // as FP8's
+  static constexpr int kTeamStages = 5;   // 2 teams x 5 x 9 KB = 90 KB
 };
 
 // A CTA of kTeams teams of kWarps warps. kTeams = 1: the kernel as described above (one split a CTA). kTeams > 1
@@ -118,6 +122,9 @@ struct CtaShape {
   static constexpr int kThreadsPerCta = kWarpsPerCta * 32;
   static constexpr bool kQFragmentsInShared = Teams == 1 && FormatTraits<F>::kQFragmentsInShared;
   static constexpr int kCtasPerSm = Teams == 1 ? FormatTraits<F>::kCtasPerSm : 1;
+  // pipeline stages of a team (of the CTA when Teams == 1)
+  static constexpr int kStages = Teams == 1 ? FormatTraits<F>::kStages : FormatTraits<F>::kTeamStages;
+  static_assert(kStages >= 2, "a pipeline: the chunk being read and the one being loaded");
   // a team's chunk table: its share of at most kMaxTopk blocks, two chunks each
   static constexpr int kMaxTeamChunks = 2 * ((kMaxTopk + Teams - 1) / Teams);
   // the warps' merge: each thread one row and kMergeDims consecutive dims of it
@@ -132,14 +139,14 @@ struct SharedPlan {
   using T = FormatTraits<F>;
   using Shape = CtaShape<F, Teams>;
   static constexpr int kStagesOffset = 0;
-  static constexpr int kTeamStageBytes = T::kStages * T::kStageBytes;  // team t's stages at t x this
+  static constexpr int kTeamStageBytes = Shape::kStages * T::kStageBytes;  // team t's stages at t x this
   static constexpr int kStageAreaBytes = Teams * kTeamStageBytes;
   // 8 k-steps x 32 lanes x 16 B (4 registers of the A operand): the warps' common Q fragments
   static constexpr int kQFragmentOffset = kStagesOffset + kStageAreaBytes;
   static constexpr int kQFragmentBytes = Shape::kQFragmentsInShared ? 8 * 32 * 16 : 0;
   static constexpr int kBytes = kQFragmentOffset + kQFragmentBytes;
   // The prologue stages the query tile in team 0's last pipeline stage, which its main loop first fills at chunk 0.
-  static constexpr int kQueryTileOffset = kStagesOffset + (T::kStages - 1) * T::kStageBytes;
+  static constexpr int kQueryTileOffset = kStagesOffset + (Shape::kStages - 1) * T::kStageBytes;
   static_assert(T::kStageBytes >= kQTileBytes && T::kStageBytes % 16 == 0, "the query tile fits the last stage");
   // The epilogue reuses the stage area for the warps' fp32 partial outputs (and the cluster merge then for the slice
   // it gathers from the splits: cluster_merge.cuh's ClusterGather).

@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
   //         cp.async group, staged in the last pipeline stage, which the loop first fills at chunk 0), the top-k row
   //         (warp 0), the request's block-table row into L2 (warp 1) and the request's length
   uint8_t* stages = smem + Plan::kStagesOffset + team * Plan::kTeamStageBytes;  // this team's
-  auto stage_ptr = [&](int c) { return stages + (c % Traits::kStages) * Traits::kStageBytes; };
+  auto stage_ptr = [&](int c) { return stages + (c % Shape::kStages) * Traits::kStageBytes; };
   uint8_t* q_tile = smem + Plan::kQueryTileOffset;  // = team 0's stage_ptr(kStages - 1)
   load_q_tile<Shape::kThreadsPerCta>(q_tile, p, q_row_base, group);
   cute::cp_async_fence();
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
   const int key0 = team_warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads and reads only those
                                          // rows, so the loop synchronizes with __syncwarp alone
 #pragma unroll
-  for (int c = 0; c < Traits::kStages - 1; ++c) {
+  for (int c = 0; c < Shape::kStages - 1; ++c) {
     if (c < n_chunks) ChunkIO<F>::load(stage_ptr(c), p.kv_cache, p.num_kv_heads, g, s_chunks[team][c], key0, lane);
     cute::cp_async_fence();
   }
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
   // One straight-line path per query type (the type is uniform over the grid)
   auto prepare_q = [&](auto q_fp8) {
     constexpr bool kQFp8 = decltype(q_fp8)::value;
-    cute::cp_async_wait<Traits::kStages - 1>();  // the query group (the oldest) has landed, the KV stages may not
+    cute::cp_async_wait<Shape::kStages - 1>();  // the query group (the oldest) has landed, the KV stages may not
     __syncthreads();                             // ... for every thread's units
     uint32_t q_raw[8][4];
     read_q_raw<Traits::kRegisterDims, kQFp8>(q_tile, lane, q_raw);
@@ -187,19 +187,19 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
 
   // ---- 5. per-warp pipeline over the chunks; stage indices as wrapping counters (chunk c reads stage c % kStages,
   //         refills stage (c + kStages - 1) % kStages)
-  int read_stage = 0, write_stage = Traits::kStages - 1;
+  int read_stage = 0, write_stage = Shape::kStages - 1;
   for (int c = 0; c < n_chunks; ++c) {
-    cute::cp_async_wait<Traits::kStages - 2>();
+    cute::cp_async_wait<Shape::kStages - 2>();
     __syncwarp();  // the warp's rows of chunk c have landed; its rows of chunk c-1's stage are free
-    const int next = c + Traits::kStages - 1;
+    const int next = c + Shape::kStages - 1;
     if (next < n_chunks)
       ChunkIO<F>::load(stages + write_stage * Traits::kStageBytes, p.kv_cache, p.num_kv_heads, g, s_chunks[team][next],
                        key0, lane);
     cute::cp_async_fence();
     const ChunkRef ref = s_chunks[team][c];
     const uint8_t* stage = stages + read_stage * Traits::kStageBytes;
-    read_stage = read_stage == Traits::kStages - 1 ? 0 : read_stage + 1;
-    write_stage = write_stage == Traits::kStages - 1 ? 0 : write_stage + 1;
+    read_stage = read_stage == Shape::kStages - 1 ? 0 : read_stage + 1;
+    write_stage = write_stage == Shape::kStages - 1 ? 0 : write_stage + 1;
 
     // S = Q K^T over the warp's 16 keys: 2 n-tiles (keys key0 + lane / 4, + 8) x 8 k-steps
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
