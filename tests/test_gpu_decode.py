@@ -175,6 +175,18 @@ def check_case(case, **static):
     return out, lse
 
 
+def check_on_teams(case):
+    """check_case with num_splits = 2 on a format of TEAM_FORMATS, and the module's launch counters showing that the
+    two-team kernel ran (not the cluster, not the combine kernel)."""
+    from jax_msa import _ffi
+
+    before = _ffi.decode_merge_launches()
+    result = check_case(case, num_splits=2)
+    used = {k: v - before[k] for k, v in _ffi.decode_merge_launches().items()}
+    assert used["teams"] >= 1 and used["cluster"] == 0 and used["combine_kernel"] == 0, used
+    return result
+
+
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("batch", [1, 7, 64])
 @pytest.mark.parametrize("q_len", [1, 4])
@@ -196,7 +208,7 @@ def test_decode_corners(fmt, corner):
 @pytest.mark.parametrize("fmt", TEAM_FORMATS, ids=lambda f: f.name)
 def test_decode_teams_corners(fmt, corner):
     """The corners on the two-team kernels (num_splits = 2): teams with no chunk, empty (token, KV head) pairs."""
-    check_case(make_case(17 + int(fmt), fmt, 16, 4, 5, corner=corner), num_splits=2)
+    check_on_teams(make_case(17 + 1000 * TEAM_FORMATS.index(fmt), fmt, 16, 4, 5, corner=corner))
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
@@ -211,7 +223,10 @@ def test_decode_topk_sizes(topk, fmt, splits):
     t = case["q"].shape[0]
     ids = rng.integers(-1, -(-int(seq.max()) // 128), (HKV, t, topk)).astype(np.int32)
     case["topk"] = jnp.asarray(ids)
-    check_case(case, **({} if splits is None else dict(num_splits=splits)))
+    if splits is None:
+        check_case(case)
+    else:
+        check_on_teams(case)
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
@@ -343,7 +358,7 @@ def test_decode_two_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
     from jax_msa import _ffi, ops
 
     monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: 2)
-    case = make_case(900 + 100 * int(fmt) + 10 * group + batch, fmt, group, q_len, batch)
+    case = make_case(900 + 1000 * TEAM_FORMATS.index(fmt) + 10 * group + batch, fmt, group, q_len, batch)
     monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", "1")
     before = _ffi.decode_merge_launches()
     out, lse = check_case(case)
@@ -402,7 +417,7 @@ def test_decode_small_for_sanitizer(fmt):
 @pytest.mark.parametrize("fmt", TEAM_FORMATS, ids=lambda f: f.name)
 def test_decode_teams_small_for_sanitizer(fmt):
     """The two-team kernels (num_splits == 2) under memcheck: G = 8 (rows past the group computed, never stored)."""
-    check_case(make_case(4 + int(fmt), fmt, 8, 2, 2), num_splits=2)
+    check_on_teams(make_case(4 + 1000 * TEAM_FORMATS.index(fmt), fmt, 8, 2, 2))
 
 
 def test_split_rule_sees_the_gpus_sm_count():

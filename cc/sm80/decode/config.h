@@ -61,9 +61,10 @@ __host__ __device__ constexpr int register_dim(int lane, int i, int h) {
 template <KvFormat F>
 struct FormatTraits;
 
-// kCtasPerSm sets the register budget (__launch_bounds__) and, with kStages, the shared-memory plan. FP8 runs 4 CTAs
-// an SM (3 stages, Q fragments in shared memory): faster than 3 (4 stages, Q in registers) wherever it was measured
-// (docs/BENCHMARKS.md, decode v8); NVFP4 at 4 (5 stages) was 3% slower (v7); bf16's 32 KB stages fit 2.
+// kCtasPerSm sets the one-team kernel's register budget (__launch_bounds__) and, with kStages, its shared-memory plan
+// (the team variant: kTeamStages a team, one CTA an SM; CtaShape below). FP8 runs 4 CTAs an SM (3 stages, Q fragments
+// in shared memory): faster than 3 (4 stages, Q in registers) wherever it was measured (docs/BENCHMARKS.md, decode v8);
+// NVFP4 at 4 (5 stages) was 3% slower (v7); bf16's 32 KB stages fit 2.
 template <>
 struct FormatTraits<KvFormat::kBf16> {
   static constexpr int kStages = 3;
@@ -110,10 +111,10 @@ struct FormatTraits<KvFormat::kNvfp4> {
 
 // A CTA of kTeams teams of kWarps warps. kTeams = 1: the kernel as described above (one split a CTA). kTeams > 1
 // (FormatTraits::kTeamSplits, when num_splits equals it): team t of the CTA runs split t of its (token, KV head) with
-// its own chunk table and pipeline stages, exactly as a one-team CTA would, and the CTA's kTeams x 4 warps merge
-// through its shared memory and write the output: two splits without the cluster barrier and the cluster merge. Its
-// Q fragments stay in registers and its budget is one CTA an SM (256 threads, up to 255 registers), so its
-// kTeams x kStages stages fit the 99 KB a block of sm_86 / sm_89 / sm_120 too.
+// its own chunk table and kTeamStages pipeline stages, as a one-team CTA would (NVFP4's one-team CTA has 7 stages, a
+// team 5), and the CTA's kTeams x 4 warps merge through its shared memory and write the output: two splits without the
+// cluster barrier and the cluster merge. Its Q fragments stay in registers and its budget is one CTA an SM (256
+// threads, up to 255 registers), so its kTeams x kStages stages fit the 99 KB a block of sm_86 / sm_89 / sm_120 too.
 template <KvFormat F, int Teams>
 struct CtaShape {
   static_assert(Teams == 1 || Teams == FormatTraits<F>::kTeamSplits, "the team variant of a format that has one");
@@ -155,7 +156,8 @@ struct SharedPlan {
   // The cluster merge (cluster_merge.cuh) stages the CTA's partial after the merge area: 16 x 128 fp32 + 16 lse.
   static constexpr int kClusterPartialOffset = kMergeBytes;
   static constexpr int kClusterPartialBytes = kRows * kHeadDim * 4 + kRows * 4;
-  static_assert(kClusterPartialOffset + kClusterPartialBytes <= kStageAreaBytes, "the cluster partial fits the stages");
+  static_assert(Teams > 1 || kClusterPartialOffset + kClusterPartialBytes <= kStageAreaBytes,
+                "the cluster partial fits the stages (the team variant has no cluster merge)");
   // What one CTA takes of an SM's shared memory: the dynamic bytes, a few KB of static arrays and the driver's reserve
   static constexpr int kSmFootprintBytes = kBytes + 3 * 1024;
   // kCtasPerSm CTAs an SM on sm_90 / sm_100
