@@ -7,7 +7,8 @@
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
 #                                     test takes ~12 on an H100 (170 tests, twenty-eighth session: test_decode
 #                                     120 in ~5.5, test_prefill 50 in ~6.5; on the H200, thirty-second session:
-#                                     test_decode's 151 more than 7.3, test_prefill 7.8); so run them in separate calls, and the
+#                                     test_decode's 151 more than 7.3, test_prefill 7.8; on an H100, thirty-third
+#                                     session: test_decode's 164 in 7.1); so run them in separate calls, and the
 #                                     default list no longer fits one call),
 #                                     test_off + test_pipelined ~4, sanitize ~3: one process a test)
 #
@@ -22,7 +23,7 @@
 #   test_off  pytest -m gpu with command buffers disabled: small cases and command-buffer tests (FULL=1: all)
 #   test_pipelined  the bf16 prefill tests with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
 #   test_warp_mma   the prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200 default: wgmma;
-#                   ~4 min)
+#                   ~6 min on an H100: 45 of 50 in 330 s, thirty-third session)
 #   test_natural_order  the prefill tests with the sm90 partials in the natural column order
 #                   (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0; ~3 min)
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases, one process a test;
