@@ -123,7 +123,7 @@ def test_decode_timeline_summary(capsys):
     r[:, 7] = decode_timeline.MAGIC
     r[:, 15] = (7 << 32) | 2
     r[:, 16:20] = 1400 + np.array([0, 40, 60, 20])  # the warps' loop ends: the last 60 ns after warp 0's
-    r[:, 20:24] = r[:, 16:20] + 30  # each warp stages its partial 30 ns after its loop end (the last at 1490)
+    r[:, 24:28] = r[:, 16:20] + 30  # each warp stages its partial 30 ns after its loop end (the last at 1490)
     decode_timeline.summarize("x", splits, [r, r.copy()])
     text = capsys.readouterr().out
     assert "| chunk table (top-k row, block table) | 100 | 100 | 100 | 190 |" in text
@@ -133,6 +133,29 @@ def test_decode_timeline_summary(capsys):
     assert "| last warp's loop end after warp 0's | 60 | 60 | 60 | |" in text
     assert "| a warp's staging (loop end to partial) | 30 | 30 | 30 | |" in text
     assert "| warps' merge after the last warp staged | 25 |" in text  # 1500 + (0, 10, 20, 30) - 1490: median 25
+
+
+def test_decode_timeline_summary_of_two_team_ctas(capsys):
+    """The two-team CTA's stamps (8 warps, no cluster phases: phases 3-6 one reading): the cluster rows are left out,
+    the 8 warps are read, and team 1's loop end is reported against team 0's."""
+    import decode_timeline
+
+    ctas = 6
+    r = np.zeros((ctas, decode_timeline.WORDS), np.int64)
+    r[:, 0:7] = 1000 + np.array([0, 100, 400, 520, 520, 520, 520])  # ns; the output stored at 1520
+    r[:, 8:15] = np.array([0, 190, 760, 990, 990, 990, 990])
+    r[:, 7] = decode_timeline.MAGIC
+    r[:, 15] = (3 << 32) | 16
+    r[:, 16:24] = 1400 + np.array([0, 10, 20, 30, 50, 60, 90, 70])  # team 1 (warps 4-7) ends 50-90 ns later
+    r[:, 24:32] = r[:, 16:24] + 20  # the last warp staged at 1510
+    decode_timeline.summarize("t", 2, [r], teams=True)
+    text = capsys.readouterr().out
+    assert "as the two teams of one CTA" in text
+    assert "| warp merge (slowest warp, staging) | 120 | 120 | 120 | 230 |" in text
+    assert "cluster" not in text.split("calls pooled")[1]  # no cluster rows
+    assert "| team 1's loop end after team 0's (warp 4 - warp 0) | 50 |" in text
+    assert "| last warp's loop end after warp 0's | 90 |" in text
+    assert "| warps' merge after the last warp staged | 10 |" in text  # 1520 - 1510
 
 
 def _bench_case_with_output(monkeypatch, outputs):

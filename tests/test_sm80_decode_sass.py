@@ -63,13 +63,16 @@ def test_decode_has_no_spills(fmt, arch, tmp_path):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_timeline_only_in_its_build(fmt, tmp_path):
     """The phase timeline (cc/sm80/decode/timeline.cuh, diagnostic build switch JAX_MSA_DECODE_TIMELINE): the default
-    build reads no timer; the timeline build reads %globaltimer and clock64 once at each of the 7 phase marks and
-    %globaltimer at the 2 per-warp marks, without spills."""
+    build reads no timer; in the timeline build the one-team kernel reads %globaltimer and clock64 once at each of the
+    7 phase marks and %globaltimer at the 2 per-warp marks, the two-team kernel (FP8, NVFP4) both at its 4 marks
+    (entry, chunk table, loop end, output stored: one reading for its 4 last phases) and %globaltimer at the 2
+    per-warp marks; no spills."""
     unit = f"sm80/decode/decode_{fmt}.cu"
     sass, _ = sass_tools.compile_unit(sass_tools.tools(), unit, "sm_90a", tmp_path)
     assert not re.search(r"SR_GLOBALTIMER|SR_CLOCK", sass)
     sass, log = sass_tools.compile_unit(sass_tools.tools(), unit, "sm_90a", tmp_path,
                                         defines=("JAX_MSA_DECODE_TIMELINE=1",))
-    assert len(re.findall(r"SR_GLOBALTIMERLO", sass)) == 9
-    assert len(re.findall(r"SR_CLOCKLO", sass)) == 7
+    teams = fmt in TEAM_FORMATS
+    assert len(re.findall(r"SR_GLOBALTIMERLO", sass)) == 9 + 6 * teams
+    assert len(re.findall(r"SR_CLOCKLO", sass)) == 7 + 4 * teams
     assert_no_spills(log)

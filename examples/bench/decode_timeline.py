@@ -5,18 +5,23 @@ Needs a diagnostic build of the CUDA module, never one for serving:
     JAX_MSA_CUDA=ON JAX_MSA_CUDA_ARCHS=90a-real JAX_MSA_DECODE_TIMELINE=ON BUILD_DIR=build/timeline \\
         .ci/build_inplace.sh
 
-In it, every decode CTA that merges its split inside a thread-block cluster (split-K on sm_90+, the default there)
-stamps the global nanosecond timer and its SM's cycle counter at its phase boundaries (cc/sm80/decode/timeline.cuh)
-into the split workspace, which jax_msa._ffi.decode_call(return_workspace=True) hands back. For each case the call
+In it, every decode CTA that merges its split inside a thread-block cluster (split-K on sm_90+, the default there),
+and every two-team CTA (FP8 / NVFP4 with 2 splits: the splits as the teams of one CTA, no cluster), stamps the global
+nanosecond timer and its SM's cycle counter at its phase boundaries (cc/sm80/decode/timeline.cuh) into the split
+workspace, which jax_msa._ffi.decode_call(return_workspace=True) hands back. The timeline build's kernels are not the
+shipped ones (the stamps take registers: the NVFP4 two-team kernel 185 against 167 on sm_90a), so its durations
+locate the time rather than reproduce it. For each case the call
 runs on `--calls` rotating top-k sets (as bench_decode.py draws them), one jitted call at a time with the L2 flushed
 before each (a 256 MB read: reading leaves no dirty lines, whose write-back would load the next call; `--no-flush`
 keeps what the previous call left), and the stamps of every call are pooled. Printed per case:
 
 - per phase, over the CTAs: duration in ns (median, p90, max) and in cycles (median);
-- the 4 warps before the warps' merge: how far the last warp's loop end trails warp 0's, each warp's staging of its
-  partial, and the merge's time from the last warp's staged partial to thread 0's partial staged for the cluster;
+- the warps before the warps' merge (4, or a two-team CTA's 8): how far the last warp's loop end trails warp 0's
+  (and team 1's first warp's, for a two-team CTA), each warp's staging of its partial, and the merge's time from the
+  last warp's staged partial to thread 0's partial staged for the cluster (a two-team CTA: its output stored);
 - the kernel's span (first CTA entry to last CTA exit, ns), the spread of the CTAs' entries and exits;
-- the cluster skew: per CTA, how long its staged partial waited for the cluster's last sibling (ns, median / max).
+- the cluster skew: per CTA, how long its staged partial waited for the cluster's last sibling (ns, median / max);
+  a two-team CTA has no cluster phases (its rows for them are left out).
 
     python examples/bench/decode_timeline.py --case 64/4,1,32768,1,FP8 --case 16/1,32,32768,1,BF16
 """
@@ -35,16 +40,17 @@ from jax_msa import KVFormat, _ffi, ops
 PHASES = ["chunk table (top-k row, block table)", "query + chunks (warp 0)", "warp merge (slowest warp, staging)",
           "cluster barrier (last split staged)", "cluster merge (thread 0's units)", "exit barrier (cluster's tail)"]
 WORDS = 32  # u64 a CTA (cc/sm80/decode/timeline.cuh: kTimelineWords)
-WARP_LOOP_DONE, WARP_STAGED = 16, 20  # first word of each WarpPhase's 4 per-warp stamps (ns)
+WARP_LOOP_DONE, WARP_STAGED = 16, 24  # first word of each WarpPhase's per-warp stamps (ns; 8 slots, kTimelineWarps)
 MAGIC = 0x54494D454C494E45  # word 7 of a stamped CTA (kTimelineMagic)
 MAX_CLUSTER_SPLITS = 16  # cc/sm80/decode/cluster_launch.h: more splits take the combine kernel (no stamps)
-TEAM_SPLITS = 2  # cc/sm80/decode/config.h, FormatTraits<F>::kTeamSplits: one CTA of two teams (no stamps)
+TEAM_SPLITS = 2  # cc/sm80/decode/config.h, FormatTraits<F>::kTeamSplits: one CTA of two teams, 8 warps
 TEAM_FORMATS = (KVFormat.FP8, KVFormat.NVFP4)  # the formats that have a team variant
 
 
 def stamps(partial_o, ctas):
     """[ctas, WORDS] uint64 from the workspace: [0, 7) ns at each phase, [7] MAGIC, [8, 15) cycles, [15] smid << 32 |
-    chunks, [16, 20) ns at each warp's loop end, [20, 24) ns at each warp's partial staged. Raises when a CTA's magic
+    chunks, [16, 24) ns at each warp's loop end, [24, 32) ns at each warp's partial staged (warps 0-3, or 0-7 in a
+    two-team CTA). Raises when a CTA's magic
     word is missing (not a timeline build, or the splits were merged by the combine kernel, whose partials fill the
     workspace)."""
     raw = np.asarray(partial_o).reshape(-1).view(np.uint64)
@@ -64,9 +70,7 @@ def run_case(case, calls, splits_override, flush):
     if not 2 <= splits <= MAX_CLUSTER_SPLITS:
         print(f"| {case} | {splits} splits: not merged in a cluster (2..{MAX_CLUSTER_SPLITS}), no stamps |")
         return
-    if fmt in TEAM_FORMATS and splits == TEAM_SPLITS:
-        print(f"| {case} | {splits} splits: the two teams of one CTA (config.h, CtaShape), no cluster, no stamps |")
-        return
+    teams = fmt in TEAM_FORMATS and splits == TEAM_SPLITS  # one CTA a (token, KV head), no cluster
     rng = np.random.default_rng(0)
     q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, calls,
                                            pool_pages(fmt, hkv, batch, context))
@@ -75,7 +79,7 @@ def run_case(case, calls, splits_override, flush):
     call = jax.jit(lambda q, c, t, s, b: _ffi.decode_call(
         q, c, scales, t, s, b, softmax_scale=128 ** -0.5, kv_format=int(fmt), decode_query_len=q_len,
         workspace=_ffi.DecodeWorkspace(splits), return_workspace=True))
-    ctas = splits * hkv * batch * q_len
+    ctas = (1 if teams else splits) * hkv * batch * q_len
     jax.block_until_ready(call(q, cache, topks[0], seq, bt))  # compile, warm up
     evict = jax.jit(jnp.sum)  # a read of 256 MB, five times the L2, that leaves no dirty lines behind
     buf = jnp.ones((64 << 20,), jnp.float32)
@@ -85,11 +89,12 @@ def run_case(case, calls, splits_override, flush):
             jax.block_until_ready(evict(buf))
         out = call(q, cache, topk, seq, bt)
         calls_stamps.append(stamps(jax.block_until_ready(out[2]), ctas).astype(np.int64))
-    summarize(case, splits, calls_stamps)
+    summarize(case, splits, calls_stamps, teams)
 
 
-def summarize(case, splits, calls_stamps):
-    """Prints the phase table of one case from its calls' stamps ([ctas, WORDS] int64 each)."""
+def summarize(case, splits, calls_stamps, teams=False):
+    """Prints the phase table of one case from its calls' stamps ([ctas, WORDS] int64 each); teams: two-team CTAs
+    (8 warps, no cluster phases)."""
     ctas = len(calls_stamps[0])
     # a CTA's stamps must be ordered (a module without the timeline leaves the workspace as it was)
     ordered = [(np.diff(r[:, 0:7], axis=1) >= 0).all() and (r[:, 0] > 0).all() for r in calls_stamps]
@@ -101,11 +106,14 @@ def summarize(case, splits, calls_stamps):
     s = np.concatenate(good)  # [calls * ctas, WORDS]
     d_ns, d_cyc = np.diff(s[:, 0:7], axis=1), np.diff(s[:, 8:15], axis=1)
     steps = np.unique(d_ns[d_ns > 0])
-    print(f"\n{case}: {splits} splits, {ctas} CTAs a call, {len(good)} calls pooled; smallest timer step "
+    kind = "as the two teams of one CTA" if teams else "in clusters"
+    print(f"\n{case}: {splits} splits {kind}, {ctas} CTAs a call, {len(good)} calls pooled; smallest timer step "
           f"{steps.min() if steps.size else 0} ns; chunks a CTA {np.median(s[:, 15] & 0xFFFFFFFF):.0f} (median)")
     print("| phase | ns median | ns p90 | ns max | cycles median |")
     print("|---|---|---|---|---|")
     for i, name in enumerate(PHASES):
+        if teams and i > 2:  # the cluster phases: one stamp with the merge's end in a two-team CTA
+            continue
         print(f"| {name} | {np.median(d_ns[:, i]):.0f} | {np.percentile(d_ns[:, i], 90):.0f} | {d_ns[:, i].max():.0f} "
               f"| {np.median(d_cyc[:, i]):.0f} |")
     t0 = np.array([r[:, 0].min() for r in good])
@@ -114,17 +122,22 @@ def summarize(case, splits, calls_stamps):
     exits = np.array([r[:, 6].max() - r[:, 6].min() for r in good])
     # the CTAs of one cluster, one (token, KV head), are consecutive in the linear index (split fastest): how long
     # each CTA's staged partial waited for its cluster's last one
-    staged = np.concatenate([r[:, 3].reshape(-1, splits) for r in good])
-    wait = (staged.max(axis=1, keepdims=True) - staged).reshape(-1)
-    loop_done = s[:, WARP_LOOP_DONE:WARP_LOOP_DONE + 4]
-    staged_w = s[:, WARP_STAGED:WARP_STAGED + 4]
+    warps = 8 if teams else 4
+    loop_done = s[:, WARP_LOOP_DONE:WARP_LOOP_DONE + warps]
+    staged_w = s[:, WARP_STAGED:WARP_STAGED + warps]
     trail = loop_done.max(axis=1) - loop_done[:, 0]  # the last warp's loop end after warp 0's
     staging = (staged_w - loop_done).reshape(-1)  # per warp: its loop end to its partial staged
     merge = s[:, 3] - staged_w.max(axis=1)  # the last warp's partial staged to thread 0's partial for the cluster
-    for name, x in (("kernel span (first entry to last exit)", span), ("CTA entries spread", entries),
-                    ("CTA exits spread", exits), ("wait for the cluster's last partial", wait),
-                    ("last warp's loop end after warp 0's", trail), ("a warp's staging (loop end to partial)", staging),
-                    ("warps' merge after the last warp staged", merge)):
+    rows = [("kernel span (first entry to last exit)", span), ("CTA entries spread", entries),
+            ("CTA exits spread", exits)]
+    if teams:  # team 1's first warp against team 0's: how unevenly the two splits' loops end
+        rows.append(("team 1's loop end after team 0's (warp 4 - warp 0)", loop_done[:, 4] - loop_done[:, 0]))
+    else:
+        staged = np.concatenate([r[:, 3].reshape(-1, splits) for r in good])
+        rows.append(("wait for the cluster's last partial", (staged.max(axis=1, keepdims=True) - staged).reshape(-1)))
+    rows += [("last warp's loop end after warp 0's", trail), ("a warp's staging (loop end to partial)", staging),
+             ("warps' merge after the last warp staged", merge)]
+    for name, x in rows:
         print(f"| {name} | {np.median(x):.0f} | {np.percentile(x, 90):.0f} | {x.max():.0f} | |")
 
 

@@ -60,14 +60,16 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // team = this warp's split among the CTA's kTeams (warp-uniform); team_warp = its warp index within the team
   const int team = kTeams == 1 ? 0 : warp / kWarps, team_warp = kTeams == 1 ? warp : warp % kWarps;
-  if constexpr (kTeams > 1) merge_in_cluster = false;  // (the launcher passes false): no cluster code, no timeline
+  if constexpr (kTeams > 1) merge_in_cluster = false;  // (the launcher passes false): no cluster code
+  // the CTAs that stamp the phase timeline (timeline.cuh; only in its diagnostic build)
+  const bool stamped = kTeams > 1 || merge_in_cluster;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int b = t / p.q_len;
   const int64_t tokens = int64_t(p.batch) * p.q_len;
   constexpr MmaOperand kOp = Traits::kOperand;
   constexpr bool kRegisterPath = Traits::kRegisterPath;
   const int64_t q_row_base = int64_t(t) * p.num_q_heads + int64_t(g) * group;
-  timeline_mark(merge_in_cluster, Phase::kEntry);
+  timeline_mark(stamped, Phase::kEntry);
 
   // ---- 1. the loads that depend on nothing are issued first, so their latencies overlap: the query tile (one
   //         cp.async group, staged in the last pipeline stage, which the loop first fills at chunk 0), the top-k row
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
   }
   __syncthreads();
   const int n_chunks = s_num_chunks[team];
-  timeline_mark(merge_in_cluster, Phase::kChunkTable, n_chunks);
+  timeline_mark(stamped, Phase::kChunkTable, n_chunks);
 
   // ---- 3. the first stages' KV loads, issued before the query conversion waits for the query
   const int key0 = team_warp * kKeysPerWarp;  // this warp's 16 keys of every chunk: it loads and reads only those
@@ -259,8 +261,8 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
     }
   }
   cute::cp_async_wait<0>();
-  timeline_mark(merge_in_cluster, Phase::kLoopDone);
-  timeline_warp_mark(merge_in_cluster, WarpPhase::kLoopDone);
+  timeline_mark(stamped, Phase::kLoopDone);
+  timeline_warp_mark(stamped, WarpPhase::kLoopDone);
 
   // ---- 6. merge the CTA's warps' (m, l, O) through shared memory (every team's: kTeams x 4 warps)
   softmax.reduce_row_sums();
@@ -295,7 +297,7 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
       *reinterpret_cast<float2*>(w1) = make_float2(acc[i][2], acc[i][3]);
     }
   }
-  timeline_warp_mark(merge_in_cluster, WarpPhase::kStaged);
+  timeline_warp_mark(stamped, WarpPhase::kStaged);
   __syncthreads();
 
   // thread -> (row, kDims dims): 16 rows x (128 / kDims) groups (one team: 16 dims, two: 8); rows past the group are
@@ -344,7 +346,7 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
       for (int j = 0; j < 4; ++j) dst[j] = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
       if (row_leader) part->lse[row] = lse;
     }
-    timeline_mark(merge_in_cluster, Phase::kWarpMerge);
+    timeline_mark(stamped, Phase::kWarpMerge);
     merge_cluster_splits(p, part, reinterpret_cast<ClusterGather*>(merge), group, q_row_base);
   } else if (kTeams > 1 || p.num_splits <= 1) {  // the CTA holds every split of (t, g): the output itself
     uint32_t packed[kDims / 2];
@@ -355,6 +357,10 @@ __global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_
     for (int j = 0; j < kDims / 8; ++j)
       dst[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2], packed[4 * j + 3]);
     if (row_leader) p.lse[out_row] = lse;
+    if constexpr (kTeams > 1) {  // no cluster phases: thread 0's output stored ends them all
+      timeline_mark_through(stamped, Phase::kWarpMerge, Phase::kExit);
+      timeline_write(p, stamped);
+    }
   } else {
     const int64_t prow = int64_t(split) * tokens * p.num_q_heads + out_row;
     float4* dst = reinterpret_cast<float4*>(p.partial_o + prow * kHeadDim + d0);
