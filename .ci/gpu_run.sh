@@ -23,7 +23,7 @@
 #   test_off  pytest -m gpu with command buffers disabled: small cases and command-buffer tests (FULL=1: all)
 #   test_pipelined  the bf16 prefill tests with the opt-in pipelined kernel (JAX_MSA_PREFILL_PIPELINED=1)
 #   test_warp_mma   the prefill tests on the warp-MMA kernel (JAX_MSA_DISABLE_SM90_KERNELS=1; H200 default: wgmma;
-#                   ~6 min on an H100: 45 of 50 in 330 s, thirty-third session)
+#                   6 min or more on an H100: 45 of 50 in 330 s, thirty-third session)
 #   test_natural_order  the prefill tests with the sm90 partials in the natural column order
 #                   (JAX_MSA_PARTIAL_FRAGMENT_ORDER=0; ~3 min)
 #   sanitize  compute-sanitizer memcheck over pytest -m "gpu and sanitize" (small cases, one process a test;

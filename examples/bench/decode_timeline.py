@@ -27,6 +27,7 @@ keeps what the previous call left), and the stamps of every call are pooled. Pri
 """
 
 import argparse
+import os
 import types
 
 import jax
@@ -70,6 +71,9 @@ def run_case(case, calls, splits_override, flush):
     if not 2 <= splits <= MAX_CLUSTER_SPLITS:
         print(f"| {case} | {splits} splits: not merged in a cluster (2..{MAX_CLUSTER_SPLITS}), no stamps |")
         return
+    if os.environ.get("JAX_MSA_DECODE_CLUSTER_MERGE") == "0":  # every split count to the combine kernel
+        print(f"| {case} | JAX_MSA_DECODE_CLUSTER_MERGE=0: the combine kernel's partials fill the workspace, no stamps |")
+        return
     teams = fmt in TEAM_FORMATS and splits == TEAM_SPLITS  # one CTA a (token, KV head), no cluster
     rng = np.random.default_rng(0)
     q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, calls,
@@ -108,7 +112,8 @@ def summarize(case, splits, calls_stamps, teams=False):
     steps = np.unique(d_ns[d_ns > 0])
     kind = "as the two teams of one CTA" if teams else "in clusters"
     print(f"\n{case}: {splits} splits {kind}, {ctas} CTAs a call, {len(good)} calls pooled; smallest timer step "
-          f"{steps.min() if steps.size else 0} ns; chunks a CTA {np.median(s[:, 15] & 0xFFFFFFFF):.0f} (median)")
+          f"{steps.min() if steps.size else 0} ns; chunks {'a split (team 0)' if teams else 'a CTA'} "
+          f"{np.median(s[:, 15] & 0xFFFFFFFF):.0f} (median)")
     print("| phase | ns median | ns p90 | ns max | cycles median |")
     print("|---|---|---|---|---|")
     for i, name in enumerate(PHASES):
@@ -128,8 +133,8 @@ def summarize(case, splits, calls_stamps, teams=False):
     trail = loop_done.max(axis=1) - loop_done[:, 0]  # the last warp's loop end after warp 0's
     staging = (staged_w - loop_done).reshape(-1)  # per warp: its loop end to its partial staged
     merge = s[:, 3] - staged_w.max(axis=1)  # the last warp's partial staged to thread 0's partial for the cluster
-    rows = [("kernel span (first entry to last exit)", span), ("CTA entries spread", entries),
-            ("CTA exits spread", exits)]
+    exit_name = "CTA exits spread" + (" (thread 0's output stored)" if teams else "")
+    rows = [("kernel span (first entry to last exit)", span), ("CTA entries spread", entries), (exit_name, exits)]
     if teams:  # team 1's first warp against team 0's: how unevenly the two splits' loops end
         rows.append(("team 1's loop end after team 0's (warp 4 - warp 0)", loop_done[:, 4] - loop_done[:, 0]))
     else:

@@ -47,7 +47,8 @@ enum class WarpPhase : int {
 constexpr int kTimelineWords = 32;                            // u64 a CTA
 constexpr int kTimelineWarps = 8;                             // per-warp stamps a WarpPhase
 constexpr uint64_t kTimelineMagic = 0x54494D454C494E45ull;  // "TIMELINE": word 7 of a stamped CTA
-static_assert(kPhases <= 7 && 16 + 2 * kTimelineWarps <= kTimelineWords, "the stamp layout above");
+static_assert(int(Phase::kExit) + 1 == kPhases && kPhases <= 7 && 16 + 2 * kTimelineWarps <= kTimelineWords,
+              "the stamp layout above");
 
 #if JAX_MSA_DECODE_TIMELINE
 __device__ __forceinline__ uint64_t* timeline_stamps() {
