@@ -175,13 +175,14 @@ def check_case(case, **static):
     return out, lse
 
 
-def check_on_teams(case):
-    """check_case with num_splits = 2 on a format of TEAM_FORMATS, and the module's launch counters showing that the
-    two-team kernel ran (not the cluster, not the combine kernel)."""
+def check_on_teams(case, num_splits=2):
+    """check_case with num_splits = 2 (None: the split rule's choice, which the caller makes 2) on a format of
+    TEAM_FORMATS, and the module's launch counters showing that the two-team kernel ran (not the cluster, not the
+    combine kernel)."""
     from jax_msa import _ffi
 
     before = _ffi.decode_merge_launches()
-    result = check_case(case, num_splits=2)
+    result = check_case(case, num_splits=num_splits)
     used = {k: v - before[k] for k, v in _ffi.decode_merge_launches().items()}
     assert used["teams"] >= 1 and used["cluster"] == 0 and used["combine_kernel"] == 0, used
     return result
@@ -360,11 +361,7 @@ def test_decode_two_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
     monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: 2)
     case = make_case(900 + 1000 * TEAM_FORMATS.index(fmt) + 10 * group + batch, fmt, group, q_len, batch)
     monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", "1")
-    before = _ffi.decode_merge_launches()
-    out, lse = check_case(case)
-    after = _ffi.decode_merge_launches()
-    used = {k: after[k] - before[k] for k in after}
-    assert used["teams"] >= 1 and used["cluster"] == 0 and used["combine_kernel"] == 0, used
+    out, lse = check_on_teams(case, num_splits=None)  # the rule's 2
     again_out, again_lse = run_kernel(case)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again_out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(again_lse))

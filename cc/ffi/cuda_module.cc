@@ -115,16 +115,16 @@ NB_MODULE(_jax_msa_cuda, m) {
   m.def(
       "decode_merge_launches",
       []() {
+        using jax_msa::sm80::decode::DecodeMerge;
         const auto counts = jax_msa::sm80::decode::decode_merge_counts();
         nanobind::dict d;
-        d["combine_kernel"] = counts[0];
-        d["cluster"] = counts[1];
-        d["teams"] = counts[2];
+        d["combine_kernel"] = counts[int(DecodeMerge::kCombineKernel)];
+        d["cluster"] = counts[int(DecodeMerge::kCluster)];
+        d["teams"] = counts[int(DecodeMerge::kTeams)];
         return d;
       },
       "Split-K launches of the warp-MMA decode since the module loaded, by how their splits were merged: "
       "{'combine_kernel': n, 'cluster': n, 'teams': n} (sm80/decode/cluster_launch.h). A handler counts when it "
-      "enqueues, so a "
-      "call replayed from a captured command buffer is not counted again.");
+      "enqueues, so a call replayed from a captured command buffer is not counted again.");
   jax_msa::ffi_bind::add_version_info(m);
 }

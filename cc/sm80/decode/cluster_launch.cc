@@ -14,7 +14,7 @@ namespace {
 
 constexpr int kMaxPortableClusterSize = 8;
 
-std::atomic<uint64_t> g_merge_counts[3];
+std::atomic<uint64_t> g_merge_counts[kDecodeMergeKinds];
 
 }  // namespace
 
@@ -71,9 +71,10 @@ void count_decode_merge(DecodeMerge merge) {
   g_merge_counts[int(merge)].fetch_add(1, std::memory_order_relaxed);
 }
 
-std::array<uint64_t, 3> decode_merge_counts() {
-  return {g_merge_counts[0].load(std::memory_order_relaxed), g_merge_counts[1].load(std::memory_order_relaxed),
-          g_merge_counts[2].load(std::memory_order_relaxed)};
+std::array<uint64_t, kDecodeMergeKinds> decode_merge_counts() {
+  std::array<uint64_t, kDecodeMergeKinds> counts;
+  for (int i = 0; i < kDecodeMergeKinds; ++i) counts[i] = g_merge_counts[i].load(std::memory_order_relaxed);
+  return counts;
 }
 
 }  // namespace jax_msa::sm80::decode

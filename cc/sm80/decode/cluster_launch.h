@@ -25,6 +25,7 @@ inline cudaLaunchAttribute cluster_dimension(int splits) {
 // How a split-K launch merged its splits: the combine kernel, a thread-block cluster, or the teams of one CTA
 // (config.h, CtaShape)
 enum class DecodeMerge : int { kCombineKernel = 0, kCluster = 1, kTeams = 2 };
+constexpr int kDecodeMergeKinds = 3;
 
 enum class ClusterSupport : int { kNo = 0, kYes = 1, kUnknown = 2 };
 
@@ -43,6 +44,6 @@ bool use_cluster_merge(const void* kernel, int splits, int threads, int smem_byt
 void count_decode_merge(DecodeMerge merge);
 
 // Split-K decode launches since the module loaded: [combine kernel, cluster merge, teams of one CTA].
-std::array<uint64_t, 3> decode_merge_counts();
+std::array<uint64_t, kDecodeMergeKinds> decode_merge_counts();
 
 }  // namespace jax_msa::sm80::decode
