@@ -214,9 +214,18 @@ H200_SMS = 132
 # FormatTraits::kCtasPerSm, cc/sm80/decode/config.h). Measured on the H200 (docs/BENCHMARKS.md, "Split rule per
 # format"): bf16 was fastest at one CTA an SM in each case swept with 32-128 (token, KV head) pairs (16/1 B = 32:
 # 4 splits 15.9 us, 8 splits 21.9); FP8 and NVFP4 at two with 32 and 128 pairs (64/4 B = 32: 2 splits 25.3 / 28.6 us,
-# 1 split 26.8 / 31.5), one at 64 pairs by 5-7% in a single call (left for a wider sweep). More CTAs than the SM's
-# kernel fits were slower (decode v6-v8).
+# 1 split 26.8 / 31.5), one at 64 pairs by 5-7% in a single call (the wider sweep below found the cluster size the
+# cause, not the CTAs an SM). More CTAs than the SM's kernel fits were slower (decode v6-v8).
 DECODE_CTAS_PER_SM = {kvc.KVFormat.BF16: 1, kvc.KVFormat.FP8: 2, kvc.KVFormat.NVFP4: 2}
+# Factors the rule above lands on that ran slowly as thread-block clusters, and what each format takes instead.
+# Measured on an H100 (132 SMs; docs/BENCHMARKS.md, "The split rule without slow cluster sizes"), 64/4 32k:
+# FP8's 3-CTA clusters (pairs 67-88) were 9-16% slower than its two-team CTA (2 splits; 4 no faster than 3); NVFP4's
+# clusters of 3 (at 80-88 pairs; at 68-72 3 and 4 tie), 5, 6 and 7 were 6-19% slower than the power of two beside
+# them (3 -> 4, 5 -> 4, 6 and 7 -> 8).
+# Every replacement stays within the format's CTAs an SM (NVFP4's kernel fits 3; FP8's team CTA is one per pair).
+# Left as they were: FP8's 5 and 6 and bf16's 3 to 5 (within 2.5% of their neighbours), FP8's 4 at 53-66 pairs (2
+# splits 2% slower at 60 pairs, 5-7% faster at 64: no clear edge), NVFP4's 2 at 89-132 (4 splits 27% slower at 96).
+DECODE_SPLITS_INSTEAD = {kvc.KVFormat.BF16: {}, kvc.KVFormat.FP8: {3: 2}, kvc.KVFormat.NVFP4: {3: 4, 5: 4, 6: 8, 7: 8}}
 
 
 @functools.cache
@@ -233,11 +242,13 @@ def cuda_sm_count() -> int:
 
 def decode_num_splits(cfg, q_len: int, num_sms: int | None = None) -> int:
     """Split-K factor of the CUDA decode kernel: when the (token, KV head) pairs alone give fewer than
-    DECODE_CTAS_PER_SM[format] CTAs an SM, the largest factor whose CTAs stay within that; never more splits than top-k
-    slots (cfg.topk). num_sms: the GPU's SMs (default cuda_sm_count(); the rule was tuned on the H200's 132)."""
+    DECODE_CTAS_PER_SM[format] CTAs an SM, the largest factor whose CTAs stay within that, or the format's faster
+    neighbour of it (DECODE_SPLITS_INSTEAD); never more splits than top-k slots (cfg.topk). num_sms: the GPU's SMs
+    (default cuda_sm_count(); the rule was tuned on 132-SM cards, the H200 and the H100)."""
     sms = cuda_sm_count() if num_sms is None else num_sms
     pairs = cfg.batch * q_len * cfg.num_kv_heads
-    return max(1, min(cfg.topk, (sms * DECODE_CTAS_PER_SM[cfg.kv_format]) // max(pairs, 1)))
+    splits = max(1, min(cfg.topk, (sms * DECODE_CTAS_PER_SM[cfg.kv_format]) // max(pairs, 1)))
+    return min(cfg.topk, DECODE_SPLITS_INSTEAD[cfg.kv_format].get(splits, splits))
 
 
 @_explained_sharding_errors("sparse_decode")

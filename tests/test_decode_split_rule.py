@@ -1,6 +1,7 @@
 """The CUDA decode's split-K rule (ops.decode_num_splits): one CTA an SM for bf16 caches, two for FP8 / NVFP4, on the
-H200's 132 SMs, at most top-k splits. The expected factors are the fastest ones of the H200 sweep in
-docs/BENCHMARKS.md ("Split rule per format")."""
+H200's 132 SMs, at most top-k splits, with the cluster sizes found slow replaced (ops.DECODE_SPLITS_INSTEAD). The
+expected factors are the fastest ones of the sweeps in docs/BENCHMARKS.md ("Split rule per format", H200; "The split
+rule without slow cluster sizes", H100)."""
 
 import types
 
@@ -28,6 +29,36 @@ def _cfg(fmt, batch, num_kv_heads, topk=16):
 ])
 def test_decode_split_factor(fmt, batch, hkv, q_len, want):
     assert ops.decode_num_splits(_cfg(fmt, batch, hkv), q_len) == want
+
+
+@pytest.mark.parametrize("fmt, batch, want, was", [
+    (KVFormat.FP8, 17, 2, 3),      # 68 pairs: the two-team CTA instead of 3-CTA clusters, 19.6 us against 21.6
+    (KVFormat.FP8, 22, 2, 3),      # 88 pairs: 22.2 us against 25.9 (H100)
+    (KVFormat.FP8, 24, 2, 2),      # 96 pairs: the rule's own 2
+    (KVFormat.FP8, 12, 5, 5),      # 48 pairs: FP8's 5 stays (within 2.5% of 4)
+    (KVFormat.NVFP4, 17, 4, 3),    # 68 pairs: 21.7 against 21.5 (a tie; the same rule as at 88)
+    (KVFormat.NVFP4, 22, 4, 3),    # 88 pairs: 22.2 us against 27.4 (H100)
+    (KVFormat.NVFP4, 12, 4, 5),    # 48 pairs: 17.3 against 18.4
+    (KVFormat.NVFP4, 10, 8, 6),    # 40 pairs: 16.0 against 18.3
+    (KVFormat.NVFP4, 9, 8, 7),     # 36 pairs: 15.8 against 18.4
+    (KVFormat.NVFP4, 14, 4, 4),    # 56 pairs: the rule's own 4
+    (KVFormat.BF16, 10, 3, 3),     # 40 pairs: bf16's 3 stays (2 / 3 / 4 within 2%)
+])
+def test_decode_split_factor_avoids_slow_cluster_sizes(fmt, batch, want, was):
+    """64/4 (Hkv 4), q_len 1: the factors DECODE_SPLITS_INSTEAD replaces (was: the rule's factor before it)."""
+    cfg = _cfg(fmt, batch, 4)
+    assert (132 * ops.DECODE_CTAS_PER_SM[fmt]) // (batch * 4) == was
+    assert ops.decode_num_splits(cfg, 1) == want
+
+
+def test_decode_split_replacements_fit_the_sm():
+    """A replacement never asks more CTAs an SM than the format's kernel fits (FormatTraits::kCtasPerSm: FP8 4,
+    NVFP4 3), for any SM count; FP8's 2 is the two-team CTA, one a (token, KV head)."""
+    fits = {KVFormat.FP8: 4, KVFormat.NVFP4: 3}
+    for fmt, table in ops.DECODE_SPLITS_INSTEAD.items():
+        for was, instead in table.items():
+            if instead > was:  # the most pairs that give `was`: sms * ctas // pairs == was
+                assert instead * ops.DECODE_CTAS_PER_SM[fmt] <= fits[fmt] * was, (fmt, was, instead)
 
 
 def test_decode_splits_never_exceed_topk():

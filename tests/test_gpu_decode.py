@@ -372,6 +372,31 @@ def test_decode_two_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
     assert after["combine_kernel"] - before["combine_kernel"] >= 1 and after["teams"] == before["teams"]
 
 
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("fmt, batch, q_len, was, want, path", [
+    (KVFormat.FP8, 18, 2, 3, 2, "teams"),       # 72 pairs: the two-team CTA instead of 3-CTA clusters
+    (KVFormat.NVFP4, 36, 1, 3, 4, "cluster"),   # 72 pairs: 4-CTA clusters instead of 3
+    (KVFormat.NVFP4, 20, 1, 6, 8, "cluster"),   # 40 pairs: 8-CTA clusters instead of 6
+], ids=["FP8-3to2", "NVFP4-3to4", "NVFP4-6to8"])
+def test_decode_rule_avoids_slow_cluster_sizes(fmt, batch, q_len, was, want, path):
+    """The split rule's replacements (ops.DECODE_SPLITS_INSTEAD) on the GPU: the batch gives the plain rule `was`
+    splits, the rule returns `want`, the launch counters show the path that factor takes, and the outputs meet the
+    oracle bound (NaN-poisoned)."""
+    import types
+    from jax_msa import _ffi, ops
+
+    if ops.cuda_sm_count() != 132:
+        pytest.skip("the cases are sized for 132 SMs (H100 SXM / H200)")
+    pairs = batch * q_len * HKV
+    assert (132 * ops.DECODE_CTAS_PER_SM[fmt]) // pairs == was
+    cfg = types.SimpleNamespace(kv_format=fmt, batch=batch, num_kv_heads=HKV, topk=K)
+    assert ops.decode_num_splits(cfg, q_len) == want
+    before = _ffi.decode_merge_launches()
+    check_case(make_case(1700 + 10 * int(fmt) + batch, fmt, 16, q_len, batch))
+    used = {k: v - before[k] for k, v in _ffi.decode_merge_launches().items()}
+    assert used[path] >= 1 and sum(used.values()) == used[path], used
+
+
 def _requests(case, first, end):
     """Requests [first, end) of a decode case as a batch of their own (same cache)."""
     ql = case["decode_query_len"]
