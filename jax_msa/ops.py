@@ -214,17 +214,18 @@ H200_SMS = 132
 # FormatTraits::kCtasPerSm, cc/sm80/decode/config.h). Measured on the H200 (docs/BENCHMARKS.md, "Split rule per
 # format"): bf16 was fastest at one CTA an SM in each case swept with 32-128 (token, KV head) pairs (16/1 B = 32:
 # 4 splits 15.9 us, 8 splits 21.9); FP8 and NVFP4 at two with 32 and 128 pairs (64/4 B = 32: 2 splits 25.3 / 28.6 us,
-# 1 split 26.8 / 31.5), one at 64 pairs by 5-7% in a single call (the wider sweep below found the cluster size the
-# cause, not the CTAs an SM). More CTAs than the SM's kernel fits were slower (decode v6-v8).
+# 1 split 26.8 / 31.5), one at 64 pairs by 5-7% in a single call (see below for 64 pairs on an H100). More CTAs than
+# the SM's kernel fits were slower (decode v6-v8).
 DECODE_CTAS_PER_SM = {kvc.KVFormat.BF16: 1, kvc.KVFormat.FP8: 2, kvc.KVFormat.NVFP4: 2}
 # Factors the rule above lands on that ran slowly as thread-block clusters, and what each format takes instead.
 # Measured on an H100 (132 SMs; docs/BENCHMARKS.md, "The split rule without slow cluster sizes"), 64/4 32k:
-# FP8's 3-CTA clusters (pairs 67-88) were 9-16% slower than its two-team CTA (2 splits; 4 no faster than 3); NVFP4's
-# clusters of 3 (at 80-88 pairs; at 68-72 3 and 4 tie), 5, 6 and 7 were 6-19% slower than the power of two beside
-# them (3 -> 4, 5 -> 4, 6 and 7 -> 8).
+# at FP8's 3-CTA clusters (pairs 67-88) its two-team CTA (2 splits) took 9-16% off (4 splits no faster than 2); at
+# NVFP4's clusters of 3 (at 80-88 pairs; at 68-72 3 and 4 tie), 5, 6 and 7 the power of two beside them took 6-19%
+# off (3 -> 4, 5 -> 4, 6 and 7 -> 8).
 # Every replacement stays within the format's CTAs an SM (NVFP4's kernel fits 3; FP8's team CTA is one per pair).
-# Left as they were: FP8's 5 and 6 and bf16's 3 to 5 (within 2.5% of their neighbours), FP8's 4 at 53-66 pairs (2
-# splits 2% slower at 60 pairs, 5-7% faster at 64: no clear edge), NVFP4's 2 at 89-132 (4 splits 27% slower at 96).
+# Left as they were: FP8's 5 and 6 (within 2.5% of their neighbours) and bf16's 3 to 5 (within 4%), FP8's 4 at
+# 53-66 pairs (2 splits 2% slower at 60 pairs, 5-7% faster at 64: no clear edge), NVFP4's 2 at 89-132 (4 splits 27%
+# slower at 96).
 DECODE_SPLITS_INSTEAD = {kvc.KVFormat.BF16: {}, kvc.KVFormat.FP8: {3: 2}, kvc.KVFormat.NVFP4: {3: 4, 5: 4, 6: 8, 7: 8}}
 
 

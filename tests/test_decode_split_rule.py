@@ -42,7 +42,7 @@ def test_decode_split_factor(fmt, batch, hkv, q_len, want):
     (KVFormat.NVFP4, 10, 8, 6),    # 40 pairs: 16.0 against 18.3
     (KVFormat.NVFP4, 9, 8, 7),     # 36 pairs: 15.8 against 18.4
     (KVFormat.NVFP4, 14, 4, 4),    # 56 pairs: the rule's own 4
-    (KVFormat.BF16, 10, 3, 3),     # 40 pairs: bf16's 3 stays (2 / 3 / 4 within 2%)
+    (KVFormat.BF16, 10, 3, 3),     # 40 pairs: bf16's 3 stays (2 / 3 / 4 within 2.5%)
 ])
 def test_decode_split_factor_avoids_slow_cluster_sizes(fmt, batch, want, was):
     """64/4 (Hkv 4), q_len 1: the factors DECODE_SPLITS_INSTEAD replaces (was: the rule's factor before it)."""
