@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples" / "bench"))
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples" / "bench"))
 import bench_decode  # noqa: E402
 
 from jax_msa import KVFormat  # noqa: E402
@@ -108,6 +109,40 @@ def test_decode_timeline_reads_the_workspace_layout():
                                               workspace=_ffi.DecodeWorkspace(splits), return_workspace=True))(
         q, cache, _ffi.pack_scales(None, None, None), topk, seq, bt)
     assert [x.shape for x in out] == [(t, hq, d), (t, hq), (splits, t, hq, d), (splits, t, hq)]
+
+
+def test_decode_timeline_constants_match_the_sources():
+    """decode_timeline.py mirrors the stamp layout and the launch constants of the CUDA sources (it reads a workspace
+    the kernel wrote): check each against the header it comes from, so that a change there cannot leave the reader
+    silently misreading the stamps."""
+    import re
+
+    import decode_timeline
+
+    src = ROOT / "cc" / "sm80" / "decode"
+    timeline = (src / "timeline.cuh").read_text()
+
+    def constant(text, name):
+        return int(re.search(rf"constexpr\s+\w+\s+{name}\s*=\s*(0x[0-9A-Fa-f]+|\d+)", text).group(1), 0)
+
+    assert decode_timeline.WORDS == constant(timeline, "kTimelineWords")
+    assert decode_timeline.MAGIC == constant(timeline, "kTimelineMagic")
+    warps = constant(timeline, "kTimelineWarps")
+    warp_phases = dict(re.findall(r"(k\w+) = (\d+),", re.search(r"enum class WarpPhase[^}]*}", timeline).group(0)))
+    # timeline_warp_mark's slot: 16 + kTimelineWarps * phase + warp
+    assert re.search(r"16 \+ kTimelineWarps \* int\(phase\) \+ int\(tid >> 5\)", timeline)
+    assert decode_timeline.WARP_LOOP_DONE == 16 + warps * int(warp_phases["kLoopDone"])
+    assert decode_timeline.WARP_STAGED == 16 + warps * int(warp_phases["kStaged"])
+    phases = re.findall(r"(k\w+) = (\d+),", re.search(r"enum class Phase [^}]*}", timeline).group(0))
+    assert len(decode_timeline.PHASES) == len(phases) - 1 == constant(timeline, "kPhases") - 1  # between the marks
+    launch = (src / "cluster_launch.h").read_text()
+    assert decode_timeline.MAX_CLUSTER_SPLITS == constant(launch, "kMaxClusterSplits")
+    config = (src / "config.h").read_text()
+    teams = {fmt: int(re.search(rf"struct FormatTraits<KvFormat::k{name}> {{.*?kTeamSplits = (\d+);", config,
+                                re.S).group(1))
+             for fmt, name in [(KVFormat.BF16, "Bf16"), (KVFormat.FP8, "Fp8"), (KVFormat.NVFP4, "Nvfp4")]}
+    assert {fmt for fmt, n in teams.items() if n > 1} == set(decode_timeline.TEAM_FORMATS), teams
+    assert {teams[fmt] for fmt in decode_timeline.TEAM_FORMATS} == {decode_timeline.TEAM_SPLITS}, teams
 
 
 def test_decode_timeline_summary(capsys):

@@ -37,6 +37,8 @@ import numpy as np
 from bench_decode import K, make_inputs, pool_pages
 from jax_msa import KVFormat, _ffi, ops
 
+# The constants below mirror the CUDA sources named beside them; tests/test_bench_selection.py
+# (test_decode_timeline_constants_match_the_sources) checks each against its header.
 # What each duration covers, from thread 0's marks (cc/sm80/decode/timeline.cuh, Phase)
 PHASES = ["chunk table (top-k row, block table)", "query + chunks (warp 0)", "warp merge (slowest warp, staging)",
           "cluster barrier (last split staged)", "cluster merge (thread 0's units)", "exit barrier (cluster's tail)"]
