@@ -175,15 +175,22 @@ def check_case(case, **static):
     return out, lse
 
 
+def counting_merges(run):
+    """run()'s result, and the split-K decode launches it made by merge path ({'combine_kernel', 'cluster', 'teams'}:
+    the module's counters, cc/sm80/decode/cluster_launch.h; each run_kernel is a fresh jit, so nothing is replayed from
+    an earlier capture)."""
+    from jax_msa import _ffi
+
+    before = _ffi.decode_merge_launches()
+    result = run()
+    return result, {k: v - before[k] for k, v in _ffi.decode_merge_launches().items()}
+
+
 def check_on_teams(case, num_splits=2):
     """check_case with num_splits = 2 (None: the split rule's choice, which the caller makes 2) on a format of
     TEAM_FORMATS, and the module's launch counters showing that the two-team kernel ran (not the cluster, not the
     combine kernel)."""
-    from jax_msa import _ffi
-
-    before = _ffi.decode_merge_launches()
-    result = check_case(case, num_splits=num_splits)
-    used = {k: v - before[k] for k, v in _ffi.decode_merge_launches().items()}
+    result, used = counting_merges(lambda: check_case(case, num_splits=num_splits))
     assert used["teams"] >= 1 and used["cluster"] == 0 and used["combine_kernel"] == 0, used
     return result
 
@@ -326,7 +333,7 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, group, batch, q_len, s
     count is forced (the rule in ops.decode_num_splits differs per format). The cases cover a CTA's slice of the rows'
     units starting mid-row (12, 7, 5, 3 splits; group 8 at 16), slices of 2 to 256 units and groups of 16, 8, 4, 2
     and 1 heads."""
-    from jax_msa import _ffi, ops
+    from jax_msa import ops
 
     if fmt in TEAM_FORMATS and splits == 2:
         pytest.skip(f"{fmt.name}'s 2 splits run as the teams of one CTA: test_decode_two_splits_run_as_teams")
@@ -335,10 +342,7 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, group, batch, q_len, s
     paths = {}
     for setting, path in (("1", "cluster"), ("0", "combine_kernel")):
         monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", setting)
-        before = _ffi.decode_merge_launches()
-        out = check_case(case) if path == "cluster" else run_kernel(case)
-        after = _ffi.decode_merge_launches()
-        paths[path] = (out, {k: after[k] - before[k] for k in after})
+        paths[path] = counting_merges(lambda: check_case(case) if path == "cluster" else run_kernel(case))
     cluster = _compute_capability() >= (9, 0)
     assert paths["combine_kernel"][1]["cluster"] == 0 and paths["combine_kernel"][1]["combine_kernel"] >= 1
     if cluster:
@@ -356,7 +360,7 @@ def test_decode_two_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
     (config.h, CtaShape), merged through its shared memory: no cluster, no combine kernel (the module's launch
     counters say which path ran), outputs within the oracle bound (NaN-poisoned), the same bits on a second run, and
     JAX_MSA_DECODE_CLUSTER_MERGE=0 sending the splits to the combine kernel instead (within the bound too)."""
-    from jax_msa import _ffi, ops
+    from jax_msa import ops
 
     monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: 2)
     case = make_case(900 + 1000 * TEAM_FORMATS.index(fmt) + 10 * group + batch, fmt, group, q_len, batch)
@@ -366,10 +370,8 @@ def test_decode_two_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again_out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(again_lse))
     monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", "0")
-    before = _ffi.decode_merge_launches()
-    check_case(case)
-    after = _ffi.decode_merge_launches()
-    assert after["combine_kernel"] - before["combine_kernel"] >= 1 and after["teams"] == before["teams"]
+    _, used = counting_merges(lambda: check_case(case))
+    assert used["combine_kernel"] >= 1 and used["teams"] == 0, used
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
@@ -383,7 +385,7 @@ def test_decode_rule_avoids_slow_cluster_sizes(fmt, batch, q_len, was, want, pat
     splits, the rule returns `want`, the launch counters show the path that factor takes, and the outputs meet the
     oracle bound (NaN-poisoned)."""
     import types
-    from jax_msa import _ffi, ops
+    from jax_msa import ops
 
     if ops.cuda_sm_count() != 132:
         pytest.skip("the cases are sized for 132 SMs (H100 SXM / H200)")
@@ -391,9 +393,7 @@ def test_decode_rule_avoids_slow_cluster_sizes(fmt, batch, q_len, was, want, pat
     assert (132 * ops.DECODE_CTAS_PER_SM[fmt]) // pairs == was
     cfg = types.SimpleNamespace(kv_format=fmt, batch=batch, num_kv_heads=HKV, topk=K)
     assert ops.decode_num_splits(cfg, q_len) == want
-    before = _ffi.decode_merge_launches()
-    check_case(make_case(1700 + 10 * int(fmt) + batch, fmt, 16, q_len, batch))
-    used = {k: v - before[k] for k, v in _ffi.decode_merge_launches().items()}
+    _, used = counting_merges(lambda: check_case(make_case(1700 + 10 * int(fmt) + batch, fmt, 16, q_len, batch)))
     assert used[path] >= 1 and sum(used.values()) == used[path], used
 
 
