@@ -221,7 +221,8 @@ DECODE_CTAS_PER_SM = {kvc.KVFormat.BF16: 1, kvc.KVFormat.FP8: 2, kvc.KVFormat.NV
 # Measured on an H100 (132 SMs; docs/BENCHMARKS.md, "The split rule without slow cluster sizes"), 64/4 32k:
 # at FP8's 3-CTA clusters (pairs 67-88) its two-team CTA (2 splits) took 9-16% off (4 splits no faster than 2); at
 # NVFP4's clusters of 3 (at 80-88 pairs; at 68-72 3 and 4 tie), 5, 6 and 7 the power of two beside them took 6-19%
-# off (3 -> 4, 5 -> 4, 6 and 7 -> 8).
+# off (3 -> 4, 5 -> 4, 6 and 7 -> 8). Re-timed on the H200 (thirty-fifth session): FP8 at 88 pairs -16%, NVFP4 at 52
+# and 88 pairs -16% / -21%.
 # Every replacement stays within the format's CTAs an SM (NVFP4's kernel fits 3; FP8's team CTA is one per pair).
 # Left as they were: FP8's 5 and 6 (within 2.5% of their neighbours) and bf16's 3 to 5 (within 4%), FP8's 4 at
 # 53-66 pairs (2 splits 2% slower at 60 pairs, 5-7% faster at 64: no clear edge), NVFP4's 2 at 89-132 (4 splits 27%
