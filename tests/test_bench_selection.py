@@ -143,6 +143,9 @@ def test_decode_timeline_constants_match_the_sources():
              for fmt, name in [(KVFormat.BF16, "Bf16"), (KVFormat.FP8, "Fp8"), (KVFormat.NVFP4, "Nvfp4")]}
     assert {fmt for fmt, n in teams.items() if n > 1} == set(decode_timeline.TEAM_FORMATS), teams
     assert {teams[fmt] for fmt in decode_timeline.TEAM_FORMATS} == {decode_timeline.TEAM_SPLITS}, teams
+    assert decode_timeline.TEAM_WARPS == constant(config, "kWarps")
+    # the per-warp slots hold a two-team CTA's warps
+    assert decode_timeline.TEAM_SPLITS * decode_timeline.TEAM_WARPS <= warps
 
 
 def test_decode_timeline_summary(capsys):

@@ -47,6 +47,7 @@ WARP_LOOP_DONE, WARP_STAGED = 16, 24  # first word of each WarpPhase's per-warp 
 MAGIC = 0x54494D454C494E45  # word 7 of a stamped CTA (kTimelineMagic)
 MAX_CLUSTER_SPLITS = 16  # cc/sm80/decode/cluster_launch.h: more splits take the combine kernel (no stamps)
 TEAM_SPLITS = 2  # cc/sm80/decode/config.h, FormatTraits<F>::kTeamSplits: one CTA of two teams, 8 warps
+TEAM_WARPS = 4  # cc/sm80/decode/config.h, kWarps: a one-team CTA's warps, and each team's
 TEAM_FORMATS = (KVFormat.FP8, KVFormat.NVFP4)  # the formats that have a team variant
 
 
@@ -129,7 +130,7 @@ def summarize(case, splits, calls_stamps, teams=False):
     exits = np.array([r[:, 6].max() - r[:, 6].min() for r in good])
     # the CTAs of one cluster, one (token, KV head), are consecutive in the linear index (split fastest): how long
     # each CTA's staged partial waited for its cluster's last one
-    warps = 8 if teams else 4
+    warps = TEAM_SPLITS * TEAM_WARPS if teams else TEAM_WARPS
     loop_done = s[:, WARP_LOOP_DONE:WARP_LOOP_DONE + warps]
     staged_w = s[:, WARP_STAGED:WARP_STAGED + warps]
     trail = loop_done.max(axis=1) - loop_done[:, 0]  # the last warp's loop end after warp 0's
@@ -138,7 +139,8 @@ def summarize(case, splits, calls_stamps, teams=False):
     exit_name = "CTA exits spread" + (" (thread 0's output stored)" if teams else "")
     rows = [("kernel span (first entry to last exit)", span), ("CTA entries spread", entries), (exit_name, exits)]
     if teams:  # team 1's first warp against team 0's: how unevenly the two splits' loops end
-        rows.append(("team 1's loop end after team 0's (warp 4 - warp 0)", loop_done[:, 4] - loop_done[:, 0]))
+        rows.append((f"team 1's loop end after team 0's (warp {TEAM_WARPS} - warp 0)",
+                     loop_done[:, TEAM_WARPS] - loop_done[:, 0]))
     else:
         staged = np.concatenate([r[:, 3].reshape(-1, splits) for r in good])
         rows.append(("wait for the cluster's last partial", (staged.max(axis=1, keepdims=True) - staged).reshape(-1)))
