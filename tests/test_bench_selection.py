@@ -13,6 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples" / "bench"))
 import bench_decode  # noqa: E402
+from decode_traits import format_traits  # noqa: E402
 
 from jax_msa import KVFormat  # noqa: E402
 
@@ -138,9 +139,7 @@ def test_decode_timeline_constants_match_the_sources():
     launch = (src / "cluster_launch.h").read_text()
     assert decode_timeline.MAX_CLUSTER_SPLITS == constant(launch, "kMaxClusterSplits")
     config = (src / "config.h").read_text()
-    teams = {fmt: int(re.search(rf"struct FormatTraits<KvFormat::k{name}> {{.*?kTeamSplits = (\d+);", config,
-                                re.S).group(1))
-             for fmt, name in [(KVFormat.BF16, "Bf16"), (KVFormat.FP8, "Fp8"), (KVFormat.NVFP4, "Nvfp4")]}
+    teams = format_traits("kTeamSplits")
     assert {fmt for fmt, n in teams.items() if n > 1} == set(decode_timeline.TEAM_FORMATS), teams
     assert {teams[fmt] for fmt in decode_timeline.TEAM_FORMATS} == {decode_timeline.TEAM_SPLITS}, teams
     assert decode_timeline.TEAM_WARPS == constant(config, "kWarps")

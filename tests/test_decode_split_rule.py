@@ -54,7 +54,9 @@ def test_decode_split_factor_avoids_slow_cluster_sizes(fmt, batch, want, was):
 def test_decode_split_replacements_fit_the_sm():
     """A replacement never asks more CTAs an SM than the format's kernel fits (FormatTraits::kCtasPerSm: FP8 4,
     NVFP4 3), for any SM count; FP8's 2 is the two-team CTA, one a (token, KV head)."""
-    fits = {KVFormat.FP8: 4, KVFormat.NVFP4: 3}
+    from decode_traits import format_traits
+
+    fits = format_traits("kCtasPerSm")
     for fmt, table in ops.DECODE_SPLITS_INSTEAD.items():
         for was, instead in table.items():
             if instead > was:  # the most pairs that give `was`: sms * ctas // pairs == was
