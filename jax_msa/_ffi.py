@@ -137,11 +137,12 @@ def kernel_path(major: int, minor: int, *, sm100_enabled: bool = False, sm90_ena
 
 def decode_merge_launches() -> dict:
     """Split-K launches of the CUDA decode since the module loaded, by how their splits were merged:
-    {"combine_kernel": n, "cluster": n, "teams": n} (cc/sm80/decode/cluster_launch.h). On sm_90+ the splits of a
-    (token, KV head) merge inside a thread-block cluster; JAX_MSA_DECODE_CLUSTER_MERGE=0 (read per call) or more than
-    16 splits take the combine kernel. FP8 and NVFP4 with 2 splits run them as the two teams of one CTA ("teams",
-    cc/sm80/decode/config.h: CtaShape) on every GPU that runs the warp-MMA decode, unless
-    JAX_MSA_DECODE_CLUSTER_MERGE=0. Counted when a handler enqueues (a replayed command buffer is not counted)."""
+    {"combine_kernel": n, "cluster": n, "teams": n, "teams_two_per_sm": n} (cc/sm80/decode/cluster_launch.h). On
+    sm_90+ the splits of a (token, KV head) merge inside a thread-block cluster; JAX_MSA_DECODE_CLUSTER_MERGE=0 (read
+    per call) or more than 16 splits take the combine kernel. FP8 and NVFP4 with 2 splits run them as the two teams of
+    one CTA ("teams", cc/sm80/decode/config.h: CtaLayout) on every GPU that runs the warp-MMA decode, unless
+    JAX_MSA_DECODE_CLUSTER_MERGE=0; FP8's at two CTAs an SM ("teams_two_per_sm") when the (token, KV head) pairs
+    outnumber the SMs. Counted when a handler enqueues (a replayed command buffer is not counted)."""
     if _cuda_module is None:
         raise RuntimeError("jax_msa was built without the CUDA handlers")
     return dict(_cuda_module.decode_merge_launches())

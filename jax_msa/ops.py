@@ -228,6 +228,12 @@ DECODE_CTAS_PER_SM = {kvc.KVFormat.BF16: 1, kvc.KVFormat.FP8: 2, kvc.KVFormat.NV
 # 53-66 pairs (2 splits 2% slower at 60 pairs, 5-7% faster at 64: no clear edge), NVFP4's 2 at 89-132 (4 splits 27%
 # slower at 96).
 DECODE_SPLITS_INSTEAD = {kvc.KVFormat.BF16: {}, kvc.KVFormat.FP8: {3: 2}, kvc.KVFormat.NVFP4: {3: 4, 5: 4, 6: 8, 7: 8}}
+# Where the rule above gives 1 split, 2 (the two-team CTA, at two CTAs an SM once the pairs outnumber the SMs:
+# cc/sm80/decode/config.h, CtaLayout::kTeamsTwoPerSm) while the (token, KV head) pairs are at most this many an SM.
+# FP8, measured on the H200 (docs/BENCHMARKS.md, "FP8's two-team CTA at two an SM"), 64/4 32k, 2 splits against 1:
+# 160 pairs 29.9 / 30.0 us against 32.0 (-6%), 192 pairs 31.2 / 30.7 against 32.2 / 32.4 (-4%), 256 pairs 37.0 /
+# 36.8 against 36.7 (a tie), 1024 pairs 140.6 / 140.2 against 132.9 / 133.2 (+5%).
+DECODE_TWO_TEAM_PAIRS_PER_SM = {kvc.KVFormat.FP8: 1.5}
 
 
 @functools.cache
@@ -245,11 +251,14 @@ def cuda_sm_count() -> int:
 def decode_num_splits(cfg, q_len: int, num_sms: int | None = None) -> int:
     """Split-K factor of the CUDA decode kernel: when the (token, KV head) pairs alone give fewer than
     DECODE_CTAS_PER_SM[format] CTAs an SM, the largest factor whose CTAs stay within that, or the format's faster
-    neighbour of it (DECODE_SPLITS_INSTEAD); never more splits than top-k slots (cfg.topk). num_sms: the GPU's SMs
+    neighbour of it (DECODE_SPLITS_INSTEAD); FP8 up to DECODE_TWO_TEAM_PAIRS_PER_SM pairs an SM: 2 rather than 1;
+    never more splits than top-k slots (cfg.topk). num_sms: the GPU's SMs
     (default cuda_sm_count(); the rule was tuned on 132-SM cards, the H200 and the H100)."""
     sms = cuda_sm_count() if num_sms is None else num_sms
     pairs = cfg.batch * q_len * cfg.num_kv_heads
     splits = max(1, min(cfg.topk, (sms * DECODE_CTAS_PER_SM[cfg.kv_format]) // max(pairs, 1)))
+    if splits == 1 and pairs <= DECODE_TWO_TEAM_PAIRS_PER_SM.get(cfg.kv_format, 0) * sms:
+        splits = 2
     return min(cfg.topk, DECODE_SPLITS_INSTEAD[cfg.kv_format].get(splits, splits))
 
 

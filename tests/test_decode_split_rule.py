@@ -51,6 +51,41 @@ def test_decode_split_factor_avoids_slow_cluster_sizes(fmt, batch, want, was):
     assert ops.decode_num_splits(cfg, 1) == want
 
 
+@pytest.mark.parametrize("batch, want", [
+    (33, 2),     # 132 pairs: the plain rule's own 2 (the two-team CTA at one CTA an SM)
+    (34, 2),     # 136 pairs: 2 splits (two team CTAs an SM) rather than 1
+    (40, 2),     # 160 pairs: 29.9 / 30.0 us against 32.0 with 1 (H200)
+    (48, 2),     # 192 pairs: 31.2 / 30.7 us against 32.2 / 32.4 (H200)
+    (49, 2),     # 196 pairs: the last 2 (<= 1.5 x 132 = 198)
+    (50, 1),     # 200 pairs: 1 split
+    (64, 1),     # 256 pairs: 1 split 36.7 us, 2 splits 37.0 / 36.8 (a tie, H200)
+    (256, 1),    # 1024 pairs: 1 split 132.9 / 133.2 us, 2 splits 140.6 / 140.2 (H200)
+])
+def test_decode_fp8_two_team_ctas_an_sm(batch, want):
+    """FP8, 64/4 (Hkv 4), q_len 1: where the plain rule gives 1 split, 2 up to DECODE_TWO_TEAM_PAIRS_PER_SM (1.5)
+    pairs an SM (the launcher then runs the team CTAs two an SM); 132 pairs keep the rule's own 2."""
+    assert ops.decode_num_splits(_cfg(KVFormat.FP8, batch, 4), 1) == want
+
+
+def test_decode_two_team_pairs_only_where_the_kernel_has_them():
+    """The rule's 2 splits past one pair an SM only for the formats with a two-an-SM team CTA (cc/sm80/decode/config.h:
+    FormatTraits::kTwoPerSmTeamStages > 0, FP8); bf16 and NVFP4 keep 1 split at 136-198 pairs; the threshold scales
+    with the SM count."""
+    import pathlib
+    import re
+
+    config = (pathlib.Path(__file__).parents[1] / "cc" / "sm80" / "decode" / "config.h").read_text()
+    stages = {fmt: int(re.search(rf"struct FormatTraits<KvFormat::k{name}> {{.*?kTwoPerSmTeamStages = (\d+);", config,
+                                 re.S).group(1))
+              for fmt, name in [(KVFormat.BF16, "Bf16"), (KVFormat.FP8, "Fp8"), (KVFormat.NVFP4, "Nvfp4")]}
+    assert {fmt for fmt, n in stages.items() if n > 0} == set(ops.DECODE_TWO_TEAM_PAIRS_PER_SM) == {KVFormat.FP8}
+    for fmt in (KVFormat.BF16, KVFormat.NVFP4):
+        assert ops.decode_num_splits(_cfg(fmt, 40, 4), 1) == 1
+    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 40, 4), 1, num_sms=114) == 2   # 160 <= 171
+    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 44, 4), 1, num_sms=114) == 1   # 176 > 171
+    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 40, 4, topk=1), 1) == 1        # never more than top-k
+
+
 def test_decode_split_replacements_fit_the_sm():
     """A replacement never asks more CTAs an SM than the format's kernel fits (FormatTraits::kCtasPerSm: FP8 4,
     NVFP4 3), for any SM count; FP8's 2 is the two-team CTA, one a (token, KV head)."""

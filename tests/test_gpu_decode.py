@@ -176,9 +176,9 @@ def check_case(case, **static):
 
 
 def counting_merges(run):
-    """run()'s result, and the split-K decode launches it made by merge path ({'combine_kernel', 'cluster', 'teams'}:
-    the module's counters, cc/sm80/decode/cluster_launch.h; each run_kernel is a fresh jit, so nothing is replayed from
-    an earlier capture)."""
+    """run()'s result, and the split-K decode launches it made by merge path ({'combine_kernel', 'cluster', 'teams',
+    'teams_two_per_sm'}: the module's counters, cc/sm80/decode/cluster_launch.h; each run_kernel is a fresh jit, so
+    nothing is replayed from an earlier capture)."""
     from jax_msa import _ffi
 
     before = _ffi.decode_merge_launches()
@@ -405,6 +405,54 @@ def _requests(case, first, end):
             "block_table": case["block_table"][first:end]}
 
 
+def _batch_past_the_sms(q_len):
+    """A batch whose (token, KV head) pairs outnumber the GPU's SMs (FP8's team CTAs then run two an SM), within
+    make_case's 64 requests."""
+    from jax_msa import ops
+
+    batch = ops.cuda_sm_count() // (HKV * q_len) + 2
+    if batch > 64:
+        pytest.skip(f"{ops.cuda_sm_count()} SMs need more than make_case's 64 requests at q_len {q_len}")
+    return batch
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("group,q_len", [(16, 2), (8, 4)])
+def test_decode_fp8_teams_two_per_sm_match_one_per_sm(group, q_len):
+    """FP8 with num_splits == 2 and more (token, KV head) pairs than SMs runs its team CTAs two an SM
+    (config.h, CtaLayout::kTeamsTwoPerSm: 128 registers, Q fragments in shared memory, 2 stages a team): the launch
+    counters say so, the outputs meet the oracle bound (NaN-poisoned), and each request's bits equal those of the
+    same requests decoded in a batch small enough for the one-an-SM team CTA (a fixed num_splits stays
+    batch-invariant across the two layouts)."""
+    batch = _batch_past_the_sms(q_len)
+    case = make_case(2100 + group + q_len, KVFormat.FP8, group, q_len, batch)
+    (whole_out, whole_lse), used = counting_merges(lambda: check_case(case, num_splits=2))
+    assert used["teams_two_per_sm"] >= 1 and used["teams"] == used["cluster"] == used["combine_kernel"] == 0, used
+    for first, end in ((0, 1), (batch // 2, batch // 2 + 5), (batch - 1, batch)):
+        (out, lse), used = counting_merges(lambda: run_kernel(_requests(case, first, end), num_splits=2))
+        assert used["teams"] >= 1 and used["teams_two_per_sm"] == 0, used
+        rows = slice(first * q_len, end * q_len)
+        assert_bitwise_equal(out, whole_out[rows])
+        assert_bitwise_equal(lse, whole_lse[rows])
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+def test_decode_fp8_rule_takes_two_team_ctas_an_sm():
+    """At 136-198 (token, KV head) pairs on 132 SMs the FP8 rule gives 2 splits (ops.DECODE_TWO_TEAM_PAIRS_PER_SM)
+    where it gave 1, and the launch runs them as team CTAs two an SM; outputs within the oracle bound."""
+    import types
+    from jax_msa import ops
+
+    if ops.cuda_sm_count() != 132:
+        pytest.skip("the case is sized for 132 SMs (H100 SXM / H200)")
+    batch, q_len = 36, 2  # 144 pairs: the plain rule's 264 // 144 = 1
+    assert (132 * ops.DECODE_CTAS_PER_SM[KVFormat.FP8]) // (batch * q_len * HKV) == 1
+    cfg = types.SimpleNamespace(kv_format=KVFormat.FP8, batch=batch, num_kv_heads=HKV, topk=K)
+    assert ops.decode_num_splits(cfg, q_len) == 2
+    _, used = counting_merges(lambda: check_case(make_case(2200, KVFormat.FP8, 16, q_len, batch)))
+    assert used["teams_two_per_sm"] >= 1 and sum(used.values()) == used["teams_two_per_sm"], used
+
+
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("splits", [1, 2, 3, 16])
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
@@ -440,6 +488,15 @@ def test_decode_small_for_sanitizer(fmt):
 def test_decode_teams_small_for_sanitizer(fmt):
     """The two-team kernels (num_splits == 2) under memcheck: G = 8 (rows past the group computed, never stored)."""
     check_on_teams(make_case(4 + 1000 * TEAM_FORMATS.index(fmt), fmt, 8, 2, 2))
+
+
+@pytest.mark.sanitize
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+def test_decode_fp8_teams_two_per_sm_for_sanitizer():
+    """FP8's team CTAs two an SM (more pairs than SMs) under memcheck: G = 8, q_len 4."""
+    _, used = counting_merges(lambda: check_case(make_case(5, KVFormat.FP8, 8, 4, _batch_past_the_sms(4)),
+                                                 num_splits=2))
+    assert used["teams_two_per_sm"] >= 1, used
 
 
 def test_split_rule_sees_the_gpus_sm_count():

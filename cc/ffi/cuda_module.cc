@@ -121,10 +121,12 @@ NB_MODULE(_jax_msa_cuda, m) {
         d["combine_kernel"] = counts[int(DecodeMerge::kCombineKernel)];
         d["cluster"] = counts[int(DecodeMerge::kCluster)];
         d["teams"] = counts[int(DecodeMerge::kTeams)];
+        d["teams_two_per_sm"] = counts[int(DecodeMerge::kTeamsTwoPerSm)];
         return d;
       },
       "Split-K launches of the warp-MMA decode since the module loaded, by how their splits were merged: "
-      "{'combine_kernel': n, 'cluster': n, 'teams': n} (sm80/decode/cluster_launch.h). A handler counts when it "
+      "{'combine_kernel': n, 'cluster': n, 'teams': n, 'teams_two_per_sm': n} (sm80/decode/cluster_launch.h; the "
+      "last two: the teams of one CTA, at one CTA an SM or at two). A handler counts when it "
       "enqueues, so a call replayed from a captured command buffer is not counted again.");
   jax_msa::ffi_bind::add_version_info(m);
 }

@@ -23,9 +23,9 @@ inline cudaLaunchAttribute cluster_dimension(int splits) {
 }
 
 // How a split-K launch merged its splits: the combine kernel, a thread-block cluster, or the teams of one CTA
-// (config.h, CtaShape)
-enum class DecodeMerge : int { kCombineKernel = 0, kCluster = 1, kTeams = 2 };
-constexpr int kDecodeMergeKinds = 3;
+// (config.h, CtaLayout: kTeams at one CTA an SM, kTeamsTwoPerSm at two)
+enum class DecodeMerge : int { kCombineKernel = 0, kCluster = 1, kTeams = 2, kTeamsTwoPerSm = 3 };
+constexpr int kDecodeMergeKinds = 4;
 
 enum class ClusterSupport : int { kNo = 0, kYes = 1, kUnknown = 2 };
 
@@ -43,7 +43,8 @@ bool use_cluster_merge(const void* kernel, int splits, int threads, int smem_byt
 
 void count_decode_merge(DecodeMerge merge);
 
-// Split-K decode launches since the module loaded: [combine kernel, cluster merge, teams of one CTA].
+// Split-K decode launches since the module loaded: [combine kernel, cluster merge, teams of one CTA at one CTA an SM,
+// at two].
 std::array<uint64_t, kDecodeMergeKinds> decode_merge_counts();
 
 }  // namespace jax_msa::sm80::decode

@@ -20,7 +20,7 @@
 //               one thread-block cluster and merge through distributed shared memory (cluster_merge.cuh); else
 //               fp32 partials + the combine kernel (combine_splits.cu). FP8 / NVFP4 with 2 splits: one CTA of two teams
 //               of 4 warps, a split each, merged through its shared memory (CtaShape below), on every GPU that runs
-//               these kernels
+//               these kernels; FP8's at two CTAs an SM when the (token, KV head) pairs outnumber the SMs (CtaLayout)
 #pragma once
 #include <cstdint>
 
@@ -76,6 +76,7 @@ struct FormatTraits<KvFormat::kBf16> {
   static constexpr MmaOperand kOperand = MmaOperand::kBf16;
   static constexpr int kTeamSplits = 0;  // no team variant (two teams' 3 x 32 KB stages would not fit 96 KB)
   static constexpr int kTeamStages = 0;
+  static constexpr int kTwoPerSmTeamStages = 0;
 };
 
 template <>
@@ -91,6 +92,9 @@ struct FormatTraits<KvFormat::kFp8> {
   // each team kTeamStages deep
   static constexpr int kTeamSplits = 2;
   static constexpr int kTeamStages = 3;
+  // CtaLayout::kTeamsTwoPerSm: the teams at two CTAs an SM (128 registers, Q fragments in shared memory), 2 stages a
+  // team (2 x 2 x 16 KB + 4 KB); 3 (100 KB) would not fit sm_86 / sm_89 / sm_120 and were slower at 160-192 pairs
+  static constexpr int kTwoPerSmTeamStages = 2;
 };
 
 template <>
@@ -107,27 +111,43 @@ struct FormatTraits<KvFormat::kNvfp4> {
   static constexpr MmaOperand kOperand = MmaOperand::kF16;  // decode; the prefill kernel converts to bf16
   static constexpr int kTeamSplits = 2;   // as FP8's
   static constexpr int kTeamStages = 5;   // 2 teams x 5 x 9 KB = 90 KB
+  static constexpr int kTwoPerSmTeamStages = 0;  // none: 128 registers would spill its value placement
 };
 
-// A CTA of kTeams teams of kWarps warps. kTeams = 1: the kernel as described above (one split a CTA). kTeams > 1
-// (FormatTraits::kTeamSplits, when num_splits equals it): team t of the CTA runs split t of its (token, KV head) with
-// its own chunk table and kTeamStages pipeline stages, as a one-team CTA would (NVFP4's one-team CTA has 7 stages, a
-// team 5), and the CTA's kTeams x 4 warps merge through its shared memory and write the output: two splits without the
-// cluster barrier and the cluster merge. Its Q fragments stay in registers and its budget is one CTA an SM (256
-// threads, up to 255 registers), so its kTeams x kStages stages fit the 99 KB a block of sm_86 / sm_89 / sm_120 too.
-template <KvFormat F, int Teams>
+// How a CTA's warps share the work:
+//   kOneTeam       : kWarps warps, one split a CTA (the kernel as described above).
+//   kTeams         : FormatTraits::kTeamSplits teams of kWarps warps (when num_splits equals it): team t of the CTA
+//                    runs split t of its (token, KV head) with its own chunk table and kTeamStages pipeline stages, as
+//                    a one-team CTA would (NVFP4's one-team CTA has 7 stages, a team 5), and the CTA's kTeams x 4
+//                    warps merge through its shared memory and write the output: two splits without the cluster
+//                    barrier and the cluster merge. Its Q fragments stay in registers and its budget is one CTA an SM
+//                    (256 threads, up to 255 registers), so its kTeams x kStages stages fit the 99 KB a block of
+//                    sm_86 / sm_89 / sm_120 too.
+//   kTeamsTwoPerSm : the same teams budgeted for two CTAs an SM (128 registers: the Q fragments in shared memory,
+//                    kTwoPerSmTeamStages stages a team), launched instead of kTeams when the (token, KV head) pairs
+//                    outnumber the SMs, so that up to twice the SM count of team CTAs run as one wave (FP8). The same
+//                    arithmetic in the same order as kTeams: the same output bits (a fixed num_splits stays
+//                    batch-invariant).
+enum class CtaLayout : int { kOneTeam = 1, kTeams = 2, kTeamsTwoPerSm = 3 };
+
+template <KvFormat F, CtaLayout L>
 struct CtaShape {
-  static_assert(Teams == 1 || Teams == FormatTraits<F>::kTeamSplits, "the team variant of a format that has one");
-  static constexpr int kTeams = Teams;
-  static constexpr int kWarpsPerCta = Teams * kWarps;
+  using T = FormatTraits<F>;
+  static_assert(L == CtaLayout::kOneTeam || T::kTeamSplits > 1, "the team variant of a format that has one");
+  static_assert(L != CtaLayout::kTeamsTwoPerSm || T::kTwoPerSmTeamStages > 0, "a format with a two-an-SM team CTA");
+  static constexpr int kTeams = L == CtaLayout::kOneTeam ? 1 : T::kTeamSplits;
+  static constexpr int kWarpsPerCta = kTeams * kWarps;
   static constexpr int kThreadsPerCta = kWarpsPerCta * 32;
-  static constexpr bool kQFragmentsInShared = Teams == 1 && FormatTraits<F>::kQFragmentsInShared;
-  static constexpr int kCtasPerSm = Teams == 1 ? FormatTraits<F>::kCtasPerSm : 1;
-  // pipeline stages of a team (of the CTA when Teams == 1)
-  static constexpr int kStages = Teams == 1 ? FormatTraits<F>::kStages : FormatTraits<F>::kTeamStages;
+  static constexpr bool kQFragmentsInShared =
+      L == CtaLayout::kOneTeam ? T::kQFragmentsInShared : L == CtaLayout::kTeamsTwoPerSm;
+  static constexpr int kCtasPerSm = L == CtaLayout::kOneTeam ? T::kCtasPerSm : L == CtaLayout::kTeams ? 1 : 2;
+  // pipeline stages of a team (of the CTA when kOneTeam)
+  static constexpr int kStages = L == CtaLayout::kOneTeam ? T::kStages
+                                 : L == CtaLayout::kTeams ? T::kTeamStages
+                                                          : T::kTwoPerSmTeamStages;
   static_assert(kStages >= 2, "a pipeline: the chunk being read and the one being loaded");
   // a team's chunk table: its share of at most kMaxTopk blocks, two chunks each
-  static constexpr int kMaxTeamChunks = 2 * ((kMaxTopk + Teams - 1) / Teams);
+  static constexpr int kMaxTeamChunks = 2 * ((kMaxTopk + kTeams - 1) / kTeams);
   // the warps' merge: each thread one row and kMergeDims consecutive dims of it
   static constexpr int kMergeDims = kRows * kHeadDim / kThreadsPerCta;
   static_assert(kMergeDims % 8 == 0, "whole 16-byte bf16 stores");
@@ -135,13 +155,13 @@ struct CtaShape {
 
 // Shared-memory plan: [stages | Q fragments (kQFragmentsInShared)] dynamic; the chunk table and the merge
 // statistics are static arrays
-template <KvFormat F, int Teams = 1>
+template <KvFormat F, CtaLayout L = CtaLayout::kOneTeam>
 struct SharedPlan {
   using T = FormatTraits<F>;
-  using Shape = CtaShape<F, Teams>;
+  using Shape = CtaShape<F, L>;
   static constexpr int kStagesOffset = 0;
   static constexpr int kTeamStageBytes = Shape::kStages * T::kStageBytes;  // team t's stages at t x this
-  static constexpr int kStageAreaBytes = Teams * kTeamStageBytes;
+  static constexpr int kStageAreaBytes = Shape::kTeams * kTeamStageBytes;
   // 8 k-steps x 32 lanes x 16 B (4 registers of the A operand): the warps' common Q fragments
   static constexpr int kQFragmentOffset = kStagesOffset + kStageAreaBytes;
   static constexpr int kQFragmentBytes = Shape::kQFragmentsInShared ? 8 * 32 * 16 : 0;
@@ -156,7 +176,7 @@ struct SharedPlan {
   // The cluster merge (cluster_merge.cuh) stages the CTA's partial after the merge area: 16 x 128 fp32 + 16 lse.
   static constexpr int kClusterPartialOffset = kMergeBytes;
   static constexpr int kClusterPartialBytes = kRows * kHeadDim * 4 + kRows * 4;
-  static_assert(Teams > 1 || kClusterPartialOffset + kClusterPartialBytes <= kStageAreaBytes,
+  static_assert(Shape::kTeams > 1 || kClusterPartialOffset + kClusterPartialBytes <= kStageAreaBytes,
                 "the cluster partial fits the stages (the team variant has no cluster merge)");
   // What one CTA takes of an SM's shared memory: the dynamic bytes, a few KB of static arrays and the driver's reserve
   static constexpr int kSmFootprintBytes = kBytes + 3 * 1024;
@@ -171,9 +191,9 @@ struct SharedPlan {
 // what the shared memory of the architecture being compiled holds (register_budget.h), so that a GPU which can never
 // run kCtasPerSm of them does not get their register cap (FP8's 4 CTAs an SM would spill on sm_120, where one fits).
 // On sm_90 and sm_100 it is kCtasPerSm.
-template <KvFormat F, int Teams = 1>
+template <KvFormat F, CtaLayout L = CtaLayout::kOneTeam>
 constexpr int register_budget_ctas() {
-  return sm80::register_budget_ctas(CtaShape<F, Teams>::kCtasPerSm, SharedPlan<F, Teams>::kSmFootprintBytes);
+  return sm80::register_budget_ctas(CtaShape<F, L>::kCtasPerSm, SharedPlan<F, L>::kSmFootprintBytes);
 }
 
 }  // namespace jax_msa::sm80::decode

@@ -43,14 +43,16 @@ __device__ __forceinline__ void prefetch_block_table_row(const DecodeParams& p, 
 #endif
 }
 
-// kTeams (config.h, CtaShape): 1, one split a CTA; FormatTraits<F>::kTeamSplits, the CTA's teams run the
-// (token, KV head)'s num_splits == kTeams splits and the CTA writes the output (no cluster, no combine kernel).
-template <KvFormat F, int kTeams>
-__global__ void __launch_bounds__(CtaShape<F, kTeams>::kThreadsPerCta, register_budget_ctas<F, kTeams>())
+// L (config.h, CtaLayout): kOneTeam, one split a CTA; kTeams / kTeamsTwoPerSm, the CTA's kTeams =
+// FormatTraits<F>::kTeamSplits teams run the (token, KV head)'s num_splits == kTeams splits and the CTA writes the
+// output (no cluster, no combine kernel).
+template <KvFormat F, CtaLayout L>
+__global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budget_ctas<F, L>())
     sparse_decode_kernel(const DecodeParams p, bool merge_in_cluster) {
   using Traits = FormatTraits<F>;
-  using Shape = CtaShape<F, kTeams>;
-  using Plan = SharedPlan<F, kTeams>;
+  using Shape = CtaShape<F, L>;
+  using Plan = SharedPlan<F, L>;
+  constexpr int kTeams = Shape::kTeams;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ ChunkRef s_chunks[kTeams][Shape::kMaxTeamChunks];
   __shared__ int s_num_chunks[kTeams];

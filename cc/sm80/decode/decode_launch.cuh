@@ -12,16 +12,29 @@ namespace jax_msa::sm80::decode {
 // The same path on every GPU and batch size that runs these warp-MMA kernels (not where the opt-in tcgen05 decode
 // serves the call), so a fixed num_splits stays batch-invariant; JAX_MSA_DECODE_CLUSTER_MERGE
 // = 0 (a test switch) sends the splits to the combine kernel instead.
+template <KvFormat F, CtaLayout L>
+cudaError_t launch_teams(const DecodeParams& p, cudaStream_t stream, DecodeMerge counted_as) {
+  constexpr int kSmem = SharedPlan<F, L>::kBytes;
+  if (cudaError_t e = cuda::ensure_dynamic_smem<sparse_decode_kernel<F, L>>(kSmem); e != cudaSuccess) return e;
+  const dim3 grid(1, p.num_kv_heads, p.batch * p.q_len);
+  sparse_decode_kernel<F, L><<<grid, CtaShape<F, L>::kThreadsPerCta, kSmem, stream>>>(p, false);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  count_decode_merge(counted_as);
+  return cudaSuccess;
+}
+
+// The team CTA's layout: where the format has a two-an-SM one (FP8) and the (token, KV head) pairs, one team CTA
+// each, outnumber the SMs, that one (up to twice the SM count in one wave); else one CTA an SM. Both give the same
+// bits (config.h, CtaLayout).
 template <KvFormat F>
 cudaError_t launch_team_splits(const DecodeParams& p, cudaStream_t stream) {
-  constexpr int kTeams = FormatTraits<F>::kTeamSplits;
-  constexpr int kSmem = SharedPlan<F, kTeams>::kBytes;
-  if (cudaError_t e = cuda::ensure_dynamic_smem<sparse_decode_kernel<F, kTeams>>(kSmem); e != cudaSuccess) return e;
-  const dim3 grid(1, p.num_kv_heads, p.batch * p.q_len);
-  sparse_decode_kernel<F, kTeams><<<grid, CtaShape<F, kTeams>::kThreadsPerCta, kSmem, stream>>>(p, false);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  count_decode_merge(DecodeMerge::kTeams);
-  return cudaSuccess;
+  if constexpr (FormatTraits<F>::kTwoPerSmTeamStages > 0) {
+    int sms = 0;
+    if (cudaError_t e = cuda::current_sm_count(&sms); e != cudaSuccess) return e;
+    if (int64_t(p.num_kv_heads) * p.batch * p.q_len > sms)
+      return launch_teams<F, CtaLayout::kTeamsTwoPerSm>(p, stream, DecodeMerge::kTeamsTwoPerSm);
+  }
+  return launch_teams<F, CtaLayout::kTeams>(p, stream, DecodeMerge::kTeams);
 }
 
 template <KvFormat F>
@@ -31,8 +44,9 @@ cudaError_t launch_sparse_decode(const DecodeParams& p, cudaStream_t stream) {
       return launch_team_splits<F>(p, stream);
   }
   constexpr int kSmem = SharedPlan<F>::kBytes;
-  auto kernel = sparse_decode_kernel<F, 1>;
-  if (cudaError_t e = cuda::ensure_dynamic_smem<sparse_decode_kernel<F, 1>>(kSmem); e != cudaSuccess) return e;
+  auto kernel = sparse_decode_kernel<F, CtaLayout::kOneTeam>;
+  if (cudaError_t e = cuda::ensure_dynamic_smem<sparse_decode_kernel<F, CtaLayout::kOneTeam>>(kSmem); e != cudaSuccess)
+    return e;
   const int splits = p.num_splits > 1 ? p.num_splits : 1;
   const dim3 grid(splits, p.num_kv_heads, p.batch * p.q_len);
   if (splits > 1 && use_cluster_merge(reinterpret_cast<const void*>(kernel), splits, kThreads, kSmem)) {
