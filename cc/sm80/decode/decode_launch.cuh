@@ -9,9 +9,10 @@
 namespace jax_msa::sm80::decode {
 
 // num_splits == FormatTraits<F>::kTeamSplits: one CTA a (token, KV head), its teams the splits (config.h, CtaShape).
-// The same path on every GPU and batch size that runs these warp-MMA kernels (not where the opt-in tcgen05 decode
-// serves the call), so a fixed num_splits stays batch-invariant; JAX_MSA_DECODE_CLUSTER_MERGE
-// = 0 (a test switch) sends the splits to the combine kernel instead.
+// The same arithmetic on every GPU and batch size that runs these warp-MMA kernels (not where the opt-in tcgen05
+// decode serves the call): the layout (one or two CTAs an SM) follows the batch, the bits do not, so a fixed
+// num_splits stays batch-invariant; JAX_MSA_DECODE_CLUSTER_MERGE = 0 (a test switch) sends the splits to the combine
+// kernel instead.
 template <KvFormat F, CtaLayout L>
 cudaError_t launch_teams(const DecodeParams& p, cudaStream_t stream, DecodeMerge counted_as) {
   constexpr int kSmem = SharedPlan<F, L>::kBytes;
