@@ -234,6 +234,9 @@ DECODE_SPLITS_INSTEAD = {kvc.KVFormat.BF16: {}, kvc.KVFormat.FP8: {3: 2}, kvc.KV
 # 160 pairs 29.9 / 30.0 us against 32.0 (-6%), 192 pairs 31.2 / 30.7 against 32.2 / 32.4 (-4%), 256 pairs 37.0 /
 # 36.8 against 36.7 (a tie), 1024 pairs 140.6 / 140.2 against 132.9 / 133.2 (+5%).
 DECODE_TWO_TEAM_PAIRS_PER_SM = {kvc.KVFormat.FP8: 1.5}
+# The GPUs whose SMs hold two such CTAs (228 KB or 164 KB of shared memory an SM; not the 100 KB of sm_86 / sm_89 /
+# sm_120, where the launcher keeps one an SM and the second wave would cost what the band gains)
+_TWO_TEAM_CTAS_FIT = ((8, 0), (8, 7), (9, 0), (10, 0), (10, 3))
 
 
 @functools.cache
@@ -248,16 +251,34 @@ def cuda_sm_count() -> int:
     return count if isinstance(count, int) and count > 0 else H200_SMS
 
 
-def decode_num_splits(cfg, q_len: int, num_sms: int | None = None) -> int:
+@functools.cache
+def cuda_compute_capability() -> tuple[int, int]:
+    """(major, minor) of the first CUDA device this process sees; without one, the H200's (9, 0)."""
+    try:
+        devices = jax.devices("cuda")
+    except Exception:  # noqa: BLE001 (no CUDA backend in this process)
+        return (9, 0)
+    text = str(getattr(devices[0], "compute_capability", "")) if devices else ""
+    try:
+        major, minor = (int(x) for x in text.split("."))
+    except ValueError:
+        return (9, 0)
+    return (major, minor)
+
+
+def decode_num_splits(cfg, q_len: int, num_sms: int | None = None,
+                      compute_capability: tuple[int, int] | None = None) -> int:
     """Split-K factor of the CUDA decode kernel: when the (token, KV head) pairs alone give fewer than
     DECODE_CTAS_PER_SM[format] CTAs an SM, the largest factor whose CTAs stay within that, or the format's faster
     neighbour of it (DECODE_SPLITS_INSTEAD); FP8 up to DECODE_TWO_TEAM_PAIRS_PER_SM pairs an SM: 2 rather than 1;
     never more splits than top-k slots (cfg.topk). num_sms: the GPU's SMs
-    (default cuda_sm_count(); the rule was tuned on 132-SM cards, the H200 and the H100)."""
+    (default cuda_sm_count(); the rule was tuned on 132-SM cards, the H200 and the H100); compute_capability: the
+    GPU's (default cuda_compute_capability()), for the two-an-SM band."""
     sms = cuda_sm_count() if num_sms is None else num_sms
     pairs = cfg.batch * q_len * cfg.num_kv_heads
     splits = max(1, min(cfg.topk, (sms * DECODE_CTAS_PER_SM[cfg.kv_format]) // max(pairs, 1)))
-    if splits == 1 and pairs <= DECODE_TWO_TEAM_PAIRS_PER_SM.get(cfg.kv_format, 0) * sms:
+    cc = cuda_compute_capability() if compute_capability is None else tuple(compute_capability)
+    if splits == 1 and cc in _TWO_TEAM_CTAS_FIT and pairs <= DECODE_TWO_TEAM_PAIRS_PER_SM.get(cfg.kv_format, 0) * sms:
         splits = 2
     return min(cfg.topk, DECODE_SPLITS_INSTEAD[cfg.kv_format].get(splits, splits))
 

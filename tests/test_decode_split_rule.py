@@ -64,7 +64,18 @@ def test_decode_split_factor_avoids_slow_cluster_sizes(fmt, batch, want, was):
 def test_decode_fp8_two_team_ctas_an_sm(batch, want):
     """FP8, 64/4 (Hkv 4), q_len 1: where the plain rule gives 1 split, 2 up to DECODE_TWO_TEAM_PAIRS_PER_SM (1.5)
     pairs an SM (the launcher then runs the team CTAs two an SM); 132 pairs keep the rule's own 2."""
-    assert ops.decode_num_splits(_cfg(KVFormat.FP8, batch, 4), 1) == want
+    assert ops.decode_num_splits(_cfg(KVFormat.FP8, batch, 4), 1, num_sms=132, compute_capability=(9, 0)) == want
+
+
+@pytest.mark.parametrize("cc, want", [((9, 0), 2), ((10, 0), 2), ((8, 0), 2), ((8, 6), 1), ((8, 9), 1), ((12, 0), 1)])
+def test_decode_two_team_band_only_where_two_ctas_fit(cc, want):
+    """The 2-split band needs SMs that hold two team CTAs (68 KB of dynamic shared memory each): 228 / 164 KB SMs do,
+    the 100 KB ones of sm_86 / sm_89 / sm_120 do not (their launcher keeps one an SM: two waves)."""
+    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 40, 4), 1, num_sms=132, compute_capability=cc) == want
+
+
+def test_cuda_compute_capability_without_a_gpu():
+    assert ops.cuda_compute_capability() == (9, 0)  # no CUDA device in the CPU suite: the H200's
 
 
 def test_decode_two_team_pairs_only_where_the_kernel_has_them():
@@ -79,11 +90,13 @@ def test_decode_two_team_pairs_only_where_the_kernel_has_them():
                                  re.S).group(1))
               for fmt, name in [(KVFormat.BF16, "Bf16"), (KVFormat.FP8, "Fp8"), (KVFormat.NVFP4, "Nvfp4")]}
     assert {fmt for fmt, n in stages.items() if n > 0} == set(ops.DECODE_TWO_TEAM_PAIRS_PER_SM) == {KVFormat.FP8}
+    h200 = dict(num_sms=132, compute_capability=(9, 0))
     for fmt in (KVFormat.BF16, KVFormat.NVFP4):
-        assert ops.decode_num_splits(_cfg(fmt, 40, 4), 1) == 1
-    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 40, 4), 1, num_sms=114) == 2   # 160 <= 171
-    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 44, 4), 1, num_sms=114) == 1   # 176 > 171
-    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 40, 4, topk=1), 1) == 1        # never more than top-k
+        assert ops.decode_num_splits(_cfg(fmt, 40, 4), 1, **h200) == 1
+    h100_pcie = dict(num_sms=114, compute_capability=(9, 0))
+    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 40, 4), 1, **h100_pcie) == 2   # 160 <= 171
+    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 44, 4), 1, **h100_pcie) == 1   # 176 > 171
+    assert ops.decode_num_splits(_cfg(KVFormat.FP8, 40, 4, topk=1), 1, **h200) == 1  # never more than top-k
 
 
 def test_decode_split_replacements_fit_the_sm():

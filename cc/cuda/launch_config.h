@@ -38,4 +38,26 @@ inline cudaError_t current_sm_count(int* sms) {
   return cudaSuccess;
 }
 
+// How many CTAs of kKernel (`threads` a CTA, `smem_bytes` of dynamic shared memory, which ensure_dynamic_smem allows
+// first) an SM of the current device holds, read once per device: the launcher's choice between layouts that give the
+// same bits (the decode's team CTAs, one or two an SM), not a correctness condition.
+template <auto kKernel>
+cudaError_t resident_ctas_per_sm(int threads, int smem_bytes, int* ctas) {
+  static std::atomic<int> known[64] = {};  // the answer + 1; 0: not asked yet on that device
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  int n = known[device & 63].load(std::memory_order_acquire);
+  if (n == 0) {
+    if (cudaError_t e = ensure_dynamic_smem<kKernel>(smem_bytes); e != cudaSuccess) return e;
+    int fit = 0;
+    if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kKernel, threads, size_t(smem_bytes));
+        e != cudaSuccess)
+      return e;
+    n = fit + 1;
+    known[device & 63].store(n, std::memory_order_release);
+  }
+  *ctas = n - 1;
+  return cudaSuccess;
+}
+
 }  // namespace jax_msa::cuda

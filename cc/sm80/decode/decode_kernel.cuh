@@ -57,6 +57,10 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
   __shared__ ChunkRef s_chunks[kTeams][Shape::kMaxTeamChunks];
   __shared__ int s_num_chunks[kTeams];
   __shared__ float s_m[Shape::kWarpsPerCta][kRows], s_l[Shape::kWarpsPerCta][kRows];
+  // dynamic + static shared memory within the 99 KB a block of sm_86 / sm_89 / sm_120, with room for the timeline
+  // build's 256 B of stamps (config.h's 96 KB bound counts the dynamic bytes only)
+  static_assert(Plan::kBytes + sizeof(s_chunks) + sizeof(s_num_chunks) + sizeof(s_m) + sizeof(s_l) + 256 <= 99 * 1024,
+                "the CTA's shared memory fits every sm_80+ GPU");
 
   const int split = blockIdx.x, g = blockIdx.y, t = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -24,16 +24,24 @@ cudaError_t launch_teams(const DecodeParams& p, cudaStream_t stream, DecodeMerge
   return cudaSuccess;
 }
 
-// The team CTA's layout: where the format has a two-an-SM one (FP8) and the (token, KV head) pairs, one team CTA
-// each, outnumber the SMs, that one (up to twice the SM count in one wave); else one CTA an SM. Both give the same
-// bits (config.h, CtaLayout).
+// The team CTA's layout: where the format has a two-an-SM one (FP8), the (token, KV head) pairs, one team CTA each,
+// outnumber the SMs and the GPU's SMs hold two of them (sm_80 / sm_87 / sm_90 / sm_100; not the 100 KB SMs of sm_86
+// / sm_89 / sm_120), that one (up to twice the SM count in one wave); else one CTA an SM. Both give the same bits
+// (config.h, CtaLayout).
 template <KvFormat F>
 cudaError_t launch_team_splits(const DecodeParams& p, cudaStream_t stream) {
   if constexpr (FormatTraits<F>::kTwoPerSmTeamStages > 0) {
+    constexpr CtaLayout kTwo = CtaLayout::kTeamsTwoPerSm;
     int sms = 0;
     if (cudaError_t e = cuda::current_sm_count(&sms); e != cudaSuccess) return e;
-    if (int64_t(p.num_kv_heads) * p.batch * p.q_len > sms)
-      return launch_teams<F, CtaLayout::kTeamsTwoPerSm>(p, stream, DecodeMerge::kTeamsTwoPerSm);
+    if (int64_t(p.num_kv_heads) * p.batch * p.q_len > sms) {
+      int fit = 0;
+      if (cudaError_t e = cuda::resident_ctas_per_sm<sparse_decode_kernel<F, kTwo>>(
+              CtaShape<F, kTwo>::kThreadsPerCta, SharedPlan<F, kTwo>::kBytes, &fit);
+          e != cudaSuccess)
+        return e;
+      if (fit >= 2) return launch_teams<F, kTwo>(p, stream, DecodeMerge::kTeamsTwoPerSm);
+    }
   }
   return launch_teams<F, CtaLayout::kTeams>(p, stream, DecodeMerge::kTeams);
 }
