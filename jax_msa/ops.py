@@ -232,11 +232,11 @@ DECODE_SPLITS_INSTEAD = {kvc.KVFormat.BF16: {}, kvc.KVFormat.FP8: {3: 2}, kvc.KV
 # cc/sm80/decode/config.h, CtaLayout::kTeamsTwoPerSm) while the (token, KV head) pairs are at most this many an SM.
 # FP8, measured on the H200 (docs/BENCHMARKS.md, "FP8's two-team CTA at two an SM"), 64/4 32k, 2 splits against 1:
 # 160 pairs 29.9 / 30.0 us against 32.0 (-6%), 192 pairs 31.2 / 30.7 against 32.2 / 32.4 (-4%), 256 pairs 37.0 /
-# 36.8 against 36.7 (a tie), 1024 pairs 140.6 / 140.2 against 132.9 / 133.2 (+5%).
+# 36.8 against 36.7 (a tie), 1024 pairs 140.6 / 140.2 against 132.9 / 133.2 (+5.5%).
 DECODE_TWO_TEAM_PAIRS_PER_SM = {kvc.KVFormat.FP8: 1.5}
 # The GPUs whose SMs hold two such CTAs (228 KB or 164 KB of shared memory an SM; not the 100 KB of sm_86 / sm_89 /
 # sm_120, where the launcher keeps one an SM and the second wave would cost what the band gains)
-_TWO_TEAM_CTAS_FIT = ((8, 0), (8, 7), (9, 0), (10, 0), (10, 3))
+DECODE_TWO_TEAM_CTAS_FIT = ((8, 0), (8, 7), (9, 0), (10, 0), (10, 3))
 
 
 @functools.cache
@@ -278,7 +278,8 @@ def decode_num_splits(cfg, q_len: int, num_sms: int | None = None,
     pairs = cfg.batch * q_len * cfg.num_kv_heads
     splits = max(1, min(cfg.topk, (sms * DECODE_CTAS_PER_SM[cfg.kv_format]) // max(pairs, 1)))
     cc = cuda_compute_capability() if compute_capability is None else tuple(compute_capability)
-    if splits == 1 and cc in _TWO_TEAM_CTAS_FIT and pairs <= DECODE_TWO_TEAM_PAIRS_PER_SM.get(cfg.kv_format, 0) * sms:
+    band = DECODE_TWO_TEAM_PAIRS_PER_SM.get(cfg.kv_format, 0) * sms if cc in DECODE_TWO_TEAM_CTAS_FIT else 0
+    if splits == 1 and pairs <= band:
         splits = 2
     return min(cfg.topk, DECODE_SPLITS_INSTEAD[cfg.kv_format].get(splits, splits))
 

@@ -407,10 +407,12 @@ def _requests(case, first, end):
 
 
 def _batch_past_the_sms(q_len):
-    """A batch whose (token, KV head) pairs outnumber the GPU's SMs (FP8's team CTAs then run two an SM), within
-    make_case's 64 requests."""
+    """A batch whose (token, KV head) pairs outnumber the GPU's SMs (FP8's team CTAs then run two an SM, where its SMs
+    hold two), within make_case's 64 requests."""
     from jax_msa import ops
 
+    if ops.cuda_compute_capability() not in ops.DECODE_TWO_TEAM_CTAS_FIT:
+        pytest.skip(f"compute capability {ops.cuda_compute_capability()}: an SM holds one team CTA")
     batch = ops.cuda_sm_count() // (HKV * q_len) + 2
     if batch > 64:
         pytest.skip(f"{ops.cuda_sm_count()} SMs need more than make_case's 64 requests at q_len {q_len}")
@@ -444,8 +446,8 @@ def test_decode_fp8_rule_takes_two_team_ctas_an_sm():
     import types
     from jax_msa import ops
 
-    if ops.cuda_sm_count() != 132:
-        pytest.skip("the case is sized for 132 SMs (H100 SXM / H200)")
+    if ops.cuda_sm_count() != 132 or ops.cuda_compute_capability() not in ops.DECODE_TWO_TEAM_CTAS_FIT:
+        pytest.skip("the case is sized for 132 SMs that hold two team CTAs (H100 SXM / H200)")
     batch, q_len = 36, 2  # 144 pairs: the plain rule's 264 // 144 = 1
     assert (132 * ops.DECODE_CTAS_PER_SM[KVFormat.FP8]) // (batch * q_len * HKV) == 1
     cfg = types.SimpleNamespace(kv_format=KVFormat.FP8, batch=batch, num_kv_heads=HKV, topk=K)
