@@ -82,13 +82,9 @@ def test_decode_two_team_pairs_only_where_the_kernel_has_them():
     """The rule's 2 splits past one pair an SM only for the formats with a two-an-SM team CTA (cc/sm80/decode/config.h:
     FormatTraits::kTwoPerSmTeamStages > 0, FP8); bf16 and NVFP4 keep 1 split at 136-198 pairs; the threshold scales
     with the SM count."""
-    import pathlib
-    import re
+    from decode_traits import format_traits
 
-    config = (pathlib.Path(__file__).parents[1] / "cc" / "sm80" / "decode" / "config.h").read_text()
-    stages = {fmt: int(re.search(rf"struct FormatTraits<KvFormat::k{name}> {{.*?kTwoPerSmTeamStages = (\d+);", config,
-                                 re.S).group(1))
-              for fmt, name in [(KVFormat.BF16, "Bf16"), (KVFormat.FP8, "Fp8"), (KVFormat.NVFP4, "Nvfp4")]}
+    stages = format_traits("kTwoPerSmTeamStages")
     assert {fmt for fmt, n in stages.items() if n > 0} == set(ops.DECODE_TWO_TEAM_PAIRS_PER_SM) == {KVFormat.FP8}
     h200 = dict(num_sms=132, compute_capability=(9, 0))
     for fmt in (KVFormat.BF16, KVFormat.NVFP4):
