@@ -30,6 +30,8 @@ HKV = 2
 K = 16
 # formats whose num_splits == 2 runs as the two 4-warp teams of one CTA (cc/sm80/decode/config.h, kTeamSplits)
 TEAM_FORMATS = [KVFormat.FP8, KVFormat.NVFP4]
+# formats whose num_splits == 3 runs as the three teams of one CTA (config.h, CtaLayout::kThreeTeams; an experiment)
+THREE_TEAM_FORMATS = [KVFormat.NVFP4]
 
 
 def _gpu():
@@ -338,6 +340,8 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, group, batch, q_len, s
 
     if fmt in TEAM_FORMATS and splits == 2:
         pytest.skip(f"{fmt.name}'s 2 splits run as the teams of one CTA: test_decode_two_splits_run_as_teams")
+    if fmt in THREE_TEAM_FORMATS and splits == 3:
+        pytest.skip(f"{fmt.name}'s 3 splits run as the teams of one CTA: test_decode_three_splits_run_as_teams")
     monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: splits)
     case = make_case(500 + 10 * int(fmt) + batch, fmt, group, q_len, batch)
     paths = {}
@@ -373,6 +377,33 @@ def test_decode_two_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
     monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", "0")
     _, used = counting_merges(lambda: check_case(case))
     assert used["combine_kernel"] >= 1 and used["teams"] == used["teams_two_per_sm"] == 0, used
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("group,batch,q_len", [(16, 1, 1), (16, 64, 1), (16, 5, 3), (8, 7, 2), (4, 3, 1), (1, 9, 1)])
+@pytest.mark.parametrize("fmt", THREE_TEAM_FORMATS, ids=lambda f: f.name)
+def test_decode_three_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
+    """NVFP4 with num_splits == 3 runs the three splits as the three 4-warp teams of one CTA (config.h,
+    CtaLayout::kThreeTeams: 12 warps, the merge by the first 256 threads): the launch counters say teams, outputs
+    within the oracle bound (NaN-poisoned), the same bits on a second run, and JAX_MSA_DECODE_CLUSTER_MERGE=0 sending
+    the splits to the combine kernel instead (within the bound too)."""
+    case = make_case(2300 + 10 * group + batch, fmt, group, q_len, batch)
+    monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", "1")
+    out, lse = check_on_teams(case, num_splits=3)
+    again_out, again_lse = run_kernel(case, num_splits=3)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(again_lse))
+    monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", "0")
+    _, used = counting_merges(lambda: check_case(case, num_splits=3))
+    assert used["combine_kernel"] >= 1 and used["teams"] == 0, used
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("corner", ["holes", "short", "straddle", "early", "bad_pages"])
+@pytest.mark.parametrize("fmt", THREE_TEAM_FORMATS, ids=lambda f: f.name)
+def test_decode_three_teams_corners(fmt, corner):
+    """The corners on the three-team kernel (num_splits = 3): teams with no chunk, empty (token, KV head) pairs."""
+    check_on_teams(make_case(27, fmt, 16, 4, 5, corner=corner), num_splits=3)
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
@@ -491,6 +522,14 @@ def test_decode_small_for_sanitizer(fmt):
 def test_decode_teams_small_for_sanitizer(fmt):
     """The two-team kernels (num_splits == 2) under memcheck: G = 8 (rows past the group computed, never stored)."""
     check_on_teams(make_case(4 + 1000 * TEAM_FORMATS.index(fmt), fmt, 8, 2, 2))
+
+
+@pytest.mark.sanitize
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+def test_decode_three_teams_small_for_sanitizer():
+    """The three-team kernel (NVFP4, num_splits == 3) under memcheck: G = 8 (rows past the group computed, never
+    stored; threads 256-383 take no part in the merge)."""
+    check_on_teams(make_case(6, KVFormat.NVFP4, 8, 2, 2), num_splits=3)
 
 
 @pytest.mark.sanitize

@@ -13,9 +13,9 @@ import pytest
 import sass as sass_tools
 
 FORMATS = ["bf16", "fp8", "nvfp4"]
-# the team CTA's layouts each format compiles (config.h, CtaLayout: kTeams, and kTeamsTwoPerSm where
-# FormatTraits::kTwoPerSmTeamStages > 0)
-TEAM_LAYOUTS = {"bf16": 0, "fp8": 2, "nvfp4": 1}
+# the CtaLayout values each format's kernels are compiled for (config.h: kOneTeam 1, kTeams 2, kTeamsTwoPerSm 3 where
+# FormatTraits::kTwoPerSmTeamStages > 0, kThreeTeams 4 where kThreeTeamStages > 0)
+LAYOUTS = {"bf16": [1], "fp8": [1, 2, 3], "nvfp4": [1, 2, 4]}
 
 
 def assert_no_spills(log):
@@ -28,10 +28,11 @@ def assert_no_spills(log):
 def test_decode_sm90a_merges_in_cluster(fmt, tmp_path):
     sass, log = sass_tools.compile_unit(sass_tools.tools(), f"sm80/decode/decode_{fmt}.cu", "sm_90a", tmp_path)
     kernels = set(re.findall(r"\.text\.(\S*sparse_decode_kernel\S*):", sass))
-    # the one-team kernel (CtaLayout::kOneTeam = 1), and for FP8 / NVFP4 the two-team one (kTeams = 2; FP8 also at two
-    # CTAs an SM, kTeamsTwoPerSm = 3), which have no cluster code: the barriers below are the one-team kernel's
+    # the one-team kernel (CtaLayout::kOneTeam = 1), and for FP8 / NVFP4 the team ones (kTeams = 2; FP8 also at two
+    # CTAs an SM, kTeamsTwoPerSm = 3; NVFP4 three teams, kThreeTeams = 4), which have no cluster code: the barriers
+    # below are the one-team kernel's
     layouts = sorted(int(re.search(r"CtaLayoutE(\d)E", k).group(1)) for k in kernels)
-    assert layouts == [1, 2, 3][:1 + TEAM_LAYOUTS[fmt]], kernels
+    assert layouts == LAYOUTS[fmt], kernels
     # two cluster barriers (partials staged; nobody leaves while others read), each an arrive and a wait
     assert len(re.findall(r"\bUCGABAR_ARV\b", sass)) == 2, "cluster barrier arrives"
     assert len(re.findall(r"\bUCGABAR_WAIT\b", sass)) == 2, "cluster barrier waits"
@@ -64,15 +65,15 @@ def test_decode_has_no_spills(fmt, arch, tmp_path):
 def test_decode_timeline_only_in_its_build(fmt, tmp_path):
     """The phase timeline (cc/sm80/decode/timeline.cuh, diagnostic build switch JAX_MSA_DECODE_TIMELINE): the default
     build reads no timer; in the timeline build the one-team kernel reads %globaltimer and clock64 once at each of the
-    7 phase marks and %globaltimer at the 2 per-warp marks, each two-team kernel (FP8 two: one and two CTAs an SM;
-    NVFP4 one) both at its 4 marks (entry, chunk table, loop end, output stored: one reading for its 4 last phases)
+    7 phase marks and %globaltimer at the 2 per-warp marks, each team kernel (FP8: two teams at one and two CTAs an SM;
+    NVFP4: two and three teams) both at its 4 marks (entry, chunk table, loop end, output stored: one reading for its 4 last phases)
     and %globaltimer at the 2 per-warp marks; no spills."""
     unit = f"sm80/decode/decode_{fmt}.cu"
     sass, _ = sass_tools.compile_unit(sass_tools.tools(), unit, "sm_90a", tmp_path)
     assert not re.search(r"SR_GLOBALTIMER|SR_CLOCK", sass)
     sass, log = sass_tools.compile_unit(sass_tools.tools(), unit, "sm_90a", tmp_path,
                                         defines=("JAX_MSA_DECODE_TIMELINE=1",))
-    teams = TEAM_LAYOUTS[fmt]  # team kernels in the unit
+    teams = len(LAYOUTS[fmt]) - 1  # team kernels in the unit
     assert len(re.findall(r"SR_GLOBALTIMERLO", sass)) == 9 + 6 * teams
     assert len(re.findall(r"SR_CLOCKLO", sass)) == 7 + 4 * teams
     assert_no_spills(log)

@@ -77,6 +77,7 @@ struct FormatTraits<KvFormat::kBf16> {
   static constexpr int kTeamSplits = 0;  // no team variant (two teams' 3 x 32 KB stages would not fit 96 KB)
   static constexpr int kTeamStages = 0;
   static constexpr int kTwoPerSmTeamStages = 0;
+  static constexpr int kThreeTeamStages = 0;
 };
 
 template <>
@@ -95,6 +96,7 @@ struct FormatTraits<KvFormat::kFp8> {
   // CtaLayout::kTeamsTwoPerSm: the teams at two CTAs an SM (128 registers, Q fragments in shared memory), 2 stages a
   // team (2 x 2 x 16 KB + 4 KB); 3 (100 KB) would not fit sm_86 / sm_89 / sm_120 and were slower at 160-192 pairs
   static constexpr int kTwoPerSmTeamStages = 2;
+  static constexpr int kThreeTeamStages = 0;  // HBM-bound at one CTA an SM already
 };
 
 template <>
@@ -112,6 +114,9 @@ struct FormatTraits<KvFormat::kNvfp4> {
   static constexpr int kTeamSplits = 2;   // as FP8's
   static constexpr int kTeamStages = 5;   // 2 teams x 5 x 9 KB = 90 KB
   static constexpr int kTwoPerSmTeamStages = 0;  // none: 128 registers would spill its value placement
+  // CtaLayout::kThreeTeams (experiment): num_splits == 3 as three teams of one CTA, 12 warps an SM for the issue-bound
+  // NVFP4 loop (the two-team CTA gives 8); 3 x 3 x 9 KB of stages, the 12 warps' merge area (96 KB) over them
+  static constexpr int kThreeTeamStages = 3;
 };
 
 // How a CTA's warps share the work:
@@ -128,28 +133,34 @@ struct FormatTraits<KvFormat::kNvfp4> {
 //                    outnumber the SMs, so that up to twice the SM count of team CTAs run as one wave (FP8). The same
 //                    arithmetic in the same order as kTeams: the same output bits (a fixed num_splits stays
 //                    batch-invariant).
-enum class CtaLayout : int { kOneTeam = 1, kTeams = 2, kTeamsTwoPerSm = 3 };
+//   kThreeTeams    : (experiment) three teams (num_splits == 3), one CTA an SM, Q fragments in registers, 384 threads
+//                    (168 registers at most), kThreeTeamStages stages a team
+enum class CtaLayout : int { kOneTeam = 1, kTeams = 2, kTeamsTwoPerSm = 3, kThreeTeams = 4 };
 
 template <KvFormat F, CtaLayout L>
 struct CtaShape {
   using T = FormatTraits<F>;
   static_assert(L == CtaLayout::kOneTeam || T::kTeamSplits > 1, "the team variant of a format that has one");
   static_assert(L != CtaLayout::kTeamsTwoPerSm || T::kTwoPerSmTeamStages > 0, "a format with a two-an-SM team CTA");
-  static constexpr int kTeams = L == CtaLayout::kOneTeam ? 1 : T::kTeamSplits;
+  static_assert(L != CtaLayout::kThreeTeams || T::kThreeTeamStages > 0, "a format with a three-team CTA");
+  static constexpr int kTeams = L == CtaLayout::kOneTeam ? 1 : L == CtaLayout::kThreeTeams ? 3 : T::kTeamSplits;
   static constexpr int kWarpsPerCta = kTeams * kWarps;
   static constexpr int kThreadsPerCta = kWarpsPerCta * 32;
   static constexpr bool kQFragmentsInShared =
       L == CtaLayout::kOneTeam ? T::kQFragmentsInShared : L == CtaLayout::kTeamsTwoPerSm;
-  static constexpr int kCtasPerSm = L == CtaLayout::kOneTeam ? T::kCtasPerSm : L == CtaLayout::kTeams ? 1 : 2;
+  static constexpr int kCtasPerSm = L == CtaLayout::kOneTeam ? T::kCtasPerSm : L == CtaLayout::kTeamsTwoPerSm ? 2 : 1;
   // pipeline stages of a team (of the CTA when kOneTeam)
   static constexpr int kStages = L == CtaLayout::kOneTeam ? T::kStages
                                  : L == CtaLayout::kTeams ? T::kTeamStages
-                                                          : T::kTwoPerSmTeamStages;
+                                 : L == CtaLayout::kThreeTeams ? T::kThreeTeamStages
+                                                               : T::kTwoPerSmTeamStages;
   static_assert(kStages >= 2, "a pipeline: the chunk being read and the one being loaded");
   // a team's chunk table: its share of at most kMaxTopk blocks, two chunks each
   static constexpr int kMaxTeamChunks = 2 * ((kMaxTopk + kTeams - 1) / kTeams);
-  // the warps' merge: each thread one row and kMergeDims consecutive dims of it
-  static constexpr int kMergeDims = kRows * kHeadDim / kThreadsPerCta;
+  // the warps' merge: each of the first kMergeThreads threads one row and kMergeDims consecutive dims of it (a
+  // three-team CTA's last 128 threads take no part)
+  static constexpr int kMergeThreads = kThreadsPerCta < 256 ? kThreadsPerCta : 256;
+  static constexpr int kMergeDims = kRows * kHeadDim / kMergeThreads;
   static_assert(kMergeDims % 8 == 0, "whole 16-byte bf16 stores");
 };
 
@@ -165,14 +176,17 @@ struct SharedPlan {
   // 8 k-steps x 32 lanes x 16 B (4 registers of the A operand): the warps' common Q fragments
   static constexpr int kQFragmentOffset = kStagesOffset + kStageAreaBytes;
   static constexpr int kQFragmentBytes = Shape::kQFragmentsInShared ? 8 * 32 * 16 : 0;
-  static constexpr int kBytes = kQFragmentOffset + kQFragmentBytes;
+  // The epilogue reuses the stage area (and beyond it, for a three-team CTA) for the warps' fp32 partial outputs
+  static constexpr int kMergeBytes = Shape::kWarpsPerCta * kRows * kHeadDim * 4;
+  static constexpr int kBytes =
+      kQFragmentOffset + kQFragmentBytes > kMergeBytes ? kQFragmentOffset + kQFragmentBytes : kMergeBytes;
   // The prologue stages the query tile in team 0's last pipeline stage, which its main loop first fills at chunk 0.
   static constexpr int kQueryTileOffset = kStagesOffset + (Shape::kStages - 1) * T::kStageBytes;
   static_assert(T::kStageBytes >= kQTileBytes && T::kStageBytes % 16 == 0, "the query tile fits the last stage");
   // The epilogue reuses the stage area for the warps' fp32 partial outputs (and the cluster merge then for the slice
   // it gathers from the splits: cluster_merge.cuh's ClusterGather).
-  static constexpr int kMergeBytes = Shape::kWarpsPerCta * kRows * kHeadDim * 4;
-  static_assert(kStageAreaBytes >= kMergeBytes, "merge area must fit in the reused stages");
+  static_assert(kStageAreaBytes >= kMergeBytes || L == CtaLayout::kThreeTeams,
+                "merge area must fit in the reused stages");
   // The cluster merge (cluster_merge.cuh) stages the CTA's partial after the merge area: 16 x 128 fp32 + 16 lse.
   static constexpr int kClusterPartialOffset = kMergeBytes;
   static constexpr int kClusterPartialBytes = kRows * kHeadDim * 4 + kRows * 4;

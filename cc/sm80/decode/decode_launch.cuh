@@ -52,6 +52,10 @@ cudaError_t launch_sparse_decode(const DecodeParams& p, cudaStream_t stream) {
     if (p.num_splits == FormatTraits<F>::kTeamSplits && !cuda::env_equals("JAX_MSA_DECODE_CLUSTER_MERGE", "0"))
       return launch_team_splits<F>(p, stream);
   }
+  if constexpr (FormatTraits<F>::kThreeTeamStages > 0) {  // experiment: 3 splits as the three teams of one CTA
+    if (p.num_splits == 3 && !cuda::env_equals("JAX_MSA_DECODE_CLUSTER_MERGE", "0"))
+      return launch_teams<F, CtaLayout::kThreeTeams>(p, stream, DecodeMerge::kTeams);
+  }
   constexpr int kSmem = SharedPlan<F>::kBytes;
   auto kernel = sparse_decode_kernel<F, CtaLayout::kOneTeam>;
   if (cudaError_t e = cuda::ensure_dynamic_smem<sparse_decode_kernel<F, CtaLayout::kOneTeam>>(kSmem); e != cudaSuccess)

@@ -94,7 +94,7 @@ __device__ __forceinline__ void timeline_mark(bool stamped, Phase phase, int chu
 __device__ __forceinline__ void timeline_warp_mark(bool stamped, WarpPhase phase) {
 #if JAX_MSA_DECODE_TIMELINE
   const uint32_t tid = timeline_tid();
-  if ((tid & 31) != 0 || !stamped) return;
+  if ((tid & 31) != 0 || !stamped || (tid >> 5) >= uint32_t(kTimelineWarps)) return;  // a three-team CTA's last 4 warps
   uint64_t ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
   timeline_stamps()[16 + kTimelineWarps * int(phase) + int(tid >> 5)] = ns;
