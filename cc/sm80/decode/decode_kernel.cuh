@@ -43,8 +43,8 @@ __device__ __forceinline__ void prefetch_block_table_row(const DecodeParams& p, 
 #endif
 }
 
-// L (config.h, CtaLayout): kOneTeam, one split a CTA; kTeams / kTeamsTwoPerSm, the CTA's kTeams =
-// FormatTraits<F>::kTeamSplits teams run the (token, KV head)'s num_splits == kTeams splits and the CTA writes the
+// L (config.h, CtaLayout): kOneTeam, one split a CTA; kTeams / kTeamsTwoPerSm / kThreeTeams, the CTA's kTeams teams
+// (FormatTraits<F>::kTeamSplits, or 3) run the (token, KV head)'s num_splits == kTeams splits and the CTA writes the
 // output (no cluster, no combine kernel).
 template <KvFormat F, CtaLayout L>
 __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budget_ctas<F, L>())
