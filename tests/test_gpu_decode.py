@@ -225,9 +225,10 @@ def test_decode_teams_corners(fmt, corner):
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("topk,fmt,splits", [(4, KVFormat.BF16, None), (8, KVFormat.BF16, None),
                                               (32, KVFormat.BF16, None), (32, KVFormat.FP8, 2),
-                                              (32, KVFormat.NVFP4, 2)])
+                                              (32, KVFormat.NVFP4, 2), (32, KVFormat.NVFP4, 3)])
 def test_decode_topk_sizes(topk, fmt, splits):
-    """Top-k 4 / 8 / 32 (random ids: holes, duplicates, out of range), and 32 on the two-team kernels."""
+    """Top-k 4 / 8 / 32 (random ids: holes, duplicates, out of range), and 32 on the two- and three-team kernels (the
+    three-team CTA's chunk table holds 22 chunks a team: 11 blocks of 32)."""
     case = make_case(31 + topk, fmt, 16, 2, 3)
     rng = np.random.default_rng(topk)
     seq = np.asarray(case["seq_lens"])
@@ -237,7 +238,7 @@ def test_decode_topk_sizes(topk, fmt, splits):
     if splits is None:
         check_case(case)
     else:
-        check_on_teams(case)
+        check_on_teams(case, num_splits=splits)
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")

@@ -49,6 +49,8 @@ MAX_CLUSTER_SPLITS = 16  # cc/sm80/decode/cluster_launch.h: more splits take the
 TEAM_SPLITS = 2  # cc/sm80/decode/config.h, FormatTraits<F>::kTeamSplits: one CTA of two teams, 8 warps
 TEAM_WARPS = 4  # cc/sm80/decode/config.h, kWarps: a one-team CTA's warps, and each team's
 TEAM_FORMATS = (KVFormat.FP8, KVFormat.NVFP4)  # the formats that have a team variant
+THREE_TEAM_FORMATS = (KVFormat.NVFP4,)  # 3 splits as three teams (config.h, FormatTraits::kThreeTeamStages > 0)
+TIMELINE_WARPS = 8  # per-warp stamp slots (timeline.cuh: kTimelineWarps); a three-team CTA's last 4 warps have none
 
 
 def stamps(partial_o, ctas):
@@ -77,7 +79,9 @@ def run_case(case, calls, splits_override, flush):
     if os.environ.get("JAX_MSA_DECODE_CLUSTER_MERGE") == "0":  # every split count to the combine kernel
         print(f"| {case} | JAX_MSA_DECODE_CLUSTER_MERGE=0: the combine kernel's partials fill the workspace, no stamps |")
         return
-    teams = fmt in TEAM_FORMATS and splits == TEAM_SPLITS  # one CTA a (token, KV head), no cluster
+    # the teams of one CTA a (token, KV head), no cluster: their number (0: clusters)
+    as_teams = (fmt in TEAM_FORMATS and splits == TEAM_SPLITS) or (fmt in THREE_TEAM_FORMATS and splits == 3)
+    teams = splits if as_teams else 0
     rng = np.random.default_rng(0)
     q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, calls,
                                            pool_pages(fmt, hkv, batch, context))
@@ -99,9 +103,11 @@ def run_case(case, calls, splits_override, flush):
     summarize(case, splits, calls_stamps, teams)
 
 
-def summarize(case, splits, calls_stamps, teams=False):
-    """Prints the phase table of one case from its calls' stamps ([ctas, WORDS] int64 each); teams: two-team CTAs
-    (8 warps, no cluster phases)."""
+def summarize(case, splits, calls_stamps, teams=0):
+    """Prints the phase table of one case from its calls' stamps ([ctas, WORDS] int64 each); teams: the CTAs' teams
+    (True: TEAM_SPLITS; 0 / False: one-team CTAs merged in clusters), no cluster phases, the first TIMELINE_WARPS
+    warps stamped."""
+    teams = TEAM_SPLITS if teams is True else int(teams)
     ctas = len(calls_stamps[0])
     # a CTA's stamps must be ordered (a module without the timeline leaves the workspace as it was)
     ordered = [(np.diff(r[:, 0:7], axis=1) >= 0).all() and (r[:, 0] > 0).all() for r in calls_stamps]
@@ -113,7 +119,7 @@ def summarize(case, splits, calls_stamps, teams=False):
     s = np.concatenate(good)  # [calls * ctas, WORDS]
     d_ns, d_cyc = np.diff(s[:, 0:7], axis=1), np.diff(s[:, 8:15], axis=1)
     steps = np.unique(d_ns[d_ns > 0])
-    kind = "as the two teams of one CTA" if teams else "in clusters"
+    kind = f"as the {({2: 'two', 3: 'three'}).get(teams, teams)} teams of one CTA" if teams else "in clusters"
     print(f"\n{case}: {splits} splits {kind}, {ctas} CTAs a call, {len(good)} calls pooled; smallest timer step "
           f"{steps.min() if steps.size else 0} ns; chunks {'a split (team 0)' if teams else 'a CTA'} "
           f"{np.median(s[:, 15] & 0xFFFFFFFF):.0f} (median)")
@@ -130,7 +136,7 @@ def summarize(case, splits, calls_stamps, teams=False):
     exits = np.array([r[:, 6].max() - r[:, 6].min() for r in good])
     # the CTAs of one cluster, one (token, KV head), are consecutive in the linear index (split fastest): how long
     # each CTA's staged partial waited for its cluster's last one
-    warps = TEAM_SPLITS * TEAM_WARPS if teams else TEAM_WARPS
+    warps = min(teams * TEAM_WARPS, TIMELINE_WARPS) if teams else TEAM_WARPS
     loop_done = s[:, WARP_LOOP_DONE:WARP_LOOP_DONE + warps]
     staged_w = s[:, WARP_STAGED:WARP_STAGED + warps]
     trail = loop_done.max(axis=1) - loop_done[:, 0]  # the last warp's loop end after warp 0's

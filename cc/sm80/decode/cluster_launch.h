@@ -23,7 +23,7 @@ inline cudaLaunchAttribute cluster_dimension(int splits) {
 }
 
 // How a split-K launch merged its splits: the combine kernel, a thread-block cluster, or the teams of one CTA
-// (config.h, CtaLayout: kTeams at one CTA an SM, kTeamsTwoPerSm at two)
+// (config.h, CtaLayout: kTeams and kThreeTeams at one CTA an SM, kTeamsTwoPerSm at two)
 enum class DecodeMerge : int { kCombineKernel = 0, kCluster = 1, kTeams = 2, kTeamsTwoPerSm = 3 };
 constexpr int kDecodeMergeKinds = 4;
 

@@ -187,6 +187,8 @@ struct SharedPlan {
   // it gathers from the splits: cluster_merge.cuh's ClusterGather).
   static_assert(kStageAreaBytes >= kMergeBytes || L == CtaLayout::kThreeTeams,
                 "merge area must fit in the reused stages");
+  static_assert(kStageAreaBytes >= kMergeBytes || !Shape::kQFragmentsInShared,
+                "a merge area past the stages would overwrite the shared Q fragments");
   // The cluster merge (cluster_merge.cuh) stages the CTA's partial after the merge area: 16 x 128 fp32 + 16 lse.
   static constexpr int kClusterPartialOffset = kMergeBytes;
   static constexpr int kClusterPartialBytes = kRows * kHeadDim * 4 + kRows * 4;

@@ -313,6 +313,9 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
   const int row = threadIdx.x / kGroupsPerRow, d0 = (threadIdx.x % kGroupsPerRow) * kDims;
   const bool row_leader = threadIdx.x % kGroupsPerRow == 0;  // stores the row's lse
   const bool stored_row = row < group;
+  if constexpr (Shape::kThreadsPerCta > Shape::kMergeThreads) {  // a three-team CTA: its last 128 threads are done
+    if (threadIdx.x >= Shape::kMergeThreads) return;
+  }
   if (!stored_row && !merge_in_cluster) return;
   float m_all = -INFINITY;
 #pragma unroll
