@@ -145,9 +145,7 @@ def test_decode_timeline_constants_match_the_sources():
     assert decode_timeline.TEAM_WARPS == constant(config, "kWarps")
     # the per-warp slots hold a two-team CTA's warps
     assert decode_timeline.TEAM_SPLITS * decode_timeline.TEAM_WARPS <= warps == decode_timeline.TIMELINE_WARPS
-    three = {fmt for fmt, name in [(KVFormat.BF16, "Bf16"), (KVFormat.FP8, "Fp8"), (KVFormat.NVFP4, "Nvfp4")]
-             if int(re.search(rf"struct FormatTraits<KvFormat::k{name}> {{.*?kThreeTeamStages = (\d+);", config,
-                              re.S).group(1)) > 0}
+    three = {fmt for fmt, n in format_traits("kThreeTeamStages").items() if n > 0}
     assert three == set(decode_timeline.THREE_TEAM_FORMATS), three
 
 
