@@ -142,7 +142,8 @@ def decode_merge_launches() -> dict:
     per call) or more than 16 splits take the combine kernel. FP8 and NVFP4 with 2 splits run them as the two teams of
     one CTA ("teams", cc/sm80/decode/config.h: CtaLayout) on every GPU that runs the warp-MMA decode, unless
     JAX_MSA_DECODE_CLUSTER_MERGE=0; FP8's at two CTAs an SM ("teams_two_per_sm") when the (token, KV head) pairs
-    outnumber the SMs; NVFP4 with 3 splits as the three teams of one CTA (an experiment, counted as "teams"). Counted when a handler enqueues (a replayed command buffer is not counted)."""
+    outnumber the SMs; NVFP4 with 3 splits as the three teams of one CTA (the rule's at 89-132 pairs on 132 SMs;
+    counted as "teams"). Counted when a handler enqueues (a replayed command buffer is not counted)."""
     if _cuda_module is None:
         raise RuntimeError("jax_msa was built without the CUDA handlers")
     return dict(_cuda_module.decode_merge_launches())

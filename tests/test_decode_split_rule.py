@@ -21,7 +21,7 @@ def _cfg(fmt, batch, num_kv_heads, topk=16):
     (KVFormat.BF16, 32, 1, 1, 4),    # 32 pairs: 15.9 us against 21.9 with 8
     (KVFormat.BF16, 32, 1, 4, 1),    # q_len 4: 128 pairs
     (KVFormat.FP8, 32, 4, 1, 2),     # 25.3 us against 26.8 with 1
-    (KVFormat.NVFP4, 32, 4, 1, 2),   # 28.6 us against 31.5 with 1
+    (KVFormat.NVFP4, 32, 4, 1, 3),   # 128 pairs: 3 teams 23.4 / 23.3 us against 2 teams' 24.4 / 24.0 (H100)
     (KVFormat.FP8, 32, 1, 1, 8),     # 14.9 us against 15.7 with 4
     (KVFormat.BF16, 1, 4, 1, 16),    # B = 1: as many splits as top-k slots
     (KVFormat.FP8, 1, 1, 1, 16),
@@ -42,6 +42,9 @@ def test_decode_split_factor(fmt, batch, hkv, q_len, want):
     (KVFormat.NVFP4, 10, 8, 6),    # 40 pairs: 16.0 against 18.3
     (KVFormat.NVFP4, 9, 8, 7),     # 36 pairs: 15.8 against 18.4
     (KVFormat.NVFP4, 14, 4, 4),    # 56 pairs: the rule's own 4
+    (KVFormat.NVFP4, 24, 3, 2),    # 96 pairs: the three-team CTA, 23.1 / 23.2 us against 23.6 / 23.8 (H100)
+    (KVFormat.NVFP4, 33, 3, 2),    # 132 pairs: the last of the band (one three-team CTA an SM)
+    (KVFormat.NVFP4, 34, 1, 1),    # 136 pairs: 1 split (NVFP4 has no two-an-SM team CTA)
     (KVFormat.BF16, 10, 3, 3),     # 40 pairs: bf16's 3 stays (2 / 3 / 4 within 2.5%)
 ])
 def test_decode_split_factor_avoids_slow_cluster_sizes(fmt, batch, want, was):
@@ -97,7 +100,8 @@ def test_decode_two_team_pairs_only_where_the_kernel_has_them():
 
 def test_decode_split_replacements_fit_the_sm():
     """A replacement never asks more CTAs an SM than the format's kernel fits (FormatTraits::kCtasPerSm: FP8 4,
-    NVFP4 3), for any SM count; FP8's 2 is the two-team CTA, one a (token, KV head)."""
+    NVFP4 3), for any SM count; FP8's 2 is the two-team CTA and NVFP4's 3 (for 2) the three-team CTA, one a (token,
+    KV head) each."""
     from decode_traits import format_traits
 
     fits = format_traits("kCtasPerSm")

@@ -30,7 +30,7 @@ HKV = 2
 K = 16
 # formats whose num_splits == 2 runs as the two 4-warp teams of one CTA (cc/sm80/decode/config.h, kTeamSplits)
 TEAM_FORMATS = [KVFormat.FP8, KVFormat.NVFP4]
-# formats whose num_splits == 3 runs as the three teams of one CTA (config.h, CtaLayout::kThreeTeams; an experiment)
+# formats whose num_splits == 3 runs as the three teams of one CTA (config.h, CtaLayout::kThreeTeams)
 THREE_TEAM_FORMATS = [KVFormat.NVFP4]
 
 
@@ -489,12 +489,29 @@ def test_decode_fp8_rule_takes_two_team_ctas_an_sm():
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+def test_decode_nvfp4_rule_takes_three_teams():
+    """At 89-132 (token, KV head) pairs on 132 SMs the NVFP4 rule's 2 splits become 3 (ops.DECODE_SPLITS_INSTEAD),
+    which the launch runs as three-team CTAs; outputs within the oracle bound."""
+    import types
+    from jax_msa import ops
+
+    if ops.cuda_sm_count() != 132:
+        pytest.skip("the case is sized for 132 SMs (H100 SXM / H200)")
+    batch, q_len = 31, 2  # 124 pairs: the plain rule's 264 // 124 = 2
+    assert (132 * ops.DECODE_CTAS_PER_SM[KVFormat.NVFP4]) // (batch * q_len * HKV) == 2
+    cfg = types.SimpleNamespace(kv_format=KVFormat.NVFP4, batch=batch, num_kv_heads=HKV, topk=K)
+    assert ops.decode_num_splits(cfg, q_len) == 3
+    _, used = counting_merges(lambda: check_case(make_case(2400, KVFormat.NVFP4, 16, q_len, batch)))
+    assert used["teams"] >= 1 and sum(used.values()) == used["teams"], used
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("splits", [1, 2, 3, 16])
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
 def test_decode_fixed_num_splits_is_batch_invariant(fmt, splits):
     """sparse_decode(num_splits=n): a request's outputs are bit for bit the same in a batch of 33, alone, and in a
-    batch of 7 (sizes for which the split rule picks other factors: bf16 1 / 16 / 4, FP8 and NVFP4 2 / 16 / 9); the
-    batch of 33 meets the oracle bound."""
+    batch of 7 (sizes for which the split rule picks other factors: bf16 1 / 16 / 4, FP8 2 / 16 / 9, NVFP4
+    3 / 16 / 9); the batch of 33 meets the oracle bound."""
     import types
     from jax_msa import ops
 

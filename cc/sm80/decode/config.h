@@ -114,7 +114,7 @@ struct FormatTraits<KvFormat::kNvfp4> {
   static constexpr int kTeamSplits = 2;   // as FP8's
   static constexpr int kTeamStages = 5;   // 2 teams x 5 x 9 KB = 90 KB
   static constexpr int kTwoPerSmTeamStages = 0;  // none: 128 registers would spill its value placement
-  // CtaLayout::kThreeTeams (experiment): num_splits == 3 as three teams of one CTA, 12 warps an SM for the issue-bound
+  // CtaLayout::kThreeTeams: num_splits == 3 as three teams of one CTA, 12 warps an SM for the issue-bound
   // NVFP4 loop (the two-team CTA gives 8); 3 x 3 x 9 KB of stages, the 12 warps' merge area (96 KB) over them
   static constexpr int kThreeTeamStages = 3;
 };
@@ -133,7 +133,7 @@ struct FormatTraits<KvFormat::kNvfp4> {
 //                    outnumber the SMs, so that up to twice the SM count of team CTAs run as one wave (FP8). The same
 //                    arithmetic in the same order as kTeams: the same output bits (a fixed num_splits stays
 //                    batch-invariant).
-//   kThreeTeams    : (experiment) three teams (num_splits == 3), one CTA an SM, Q fragments in registers, 384 threads
+//   kThreeTeams    : three teams (num_splits == 3), one CTA an SM, Q fragments in registers, 384 threads
 //                    (168 registers at most), kThreeTeamStages stages a team
 enum class CtaLayout : int { kOneTeam = 1, kTeams = 2, kTeamsTwoPerSm = 3, kThreeTeams = 4 };
 

@@ -52,7 +52,8 @@ cudaError_t launch_sparse_decode(const DecodeParams& p, cudaStream_t stream) {
     if (p.num_splits == FormatTraits<F>::kTeamSplits && !cuda::env_equals("JAX_MSA_DECODE_CLUSTER_MERGE", "0"))
       return launch_team_splits<F>(p, stream);
   }
-  if constexpr (FormatTraits<F>::kThreeTeamStages > 0) {  // experiment: 3 splits as the three teams of one CTA
+  // 3 splits as the three teams of one CTA (the rule's NVFP4 factor at 89-132 pairs on 132 SMs)
+  if constexpr (FormatTraits<F>::kThreeTeamStages > 0) {
     if (p.num_splits == 3 && !cuda::env_equals("JAX_MSA_DECODE_CLUSTER_MERGE", "0"))
       return launch_teams<F, CtaLayout::kThreeTeams>(p, stream, DecodeMerge::kTeams);
   }
