@@ -227,19 +227,20 @@ DECODE_CTAS_PER_SM = {kvc.KVFormat.BF16: 1, kvc.KVFormat.FP8: 2, kvc.KVFormat.NV
 # Left as they were: FP8's 5 and 6 (within 2.5% of their neighbours) and bf16's 3 to 5 (within 4%), FP8's 4 at
 # 53-66 pairs (2 splits 2% slower at 60 pairs, 5-7% faster at 64: no clear edge).
 # NVFP4's 2 at 89-132 pairs (4 splits 27% slower at 96) -> 3: the three-team CTA (one a pair, 12 warps an SM where the
-# two-team CTA gives 8: cc/sm80/decode/config.h, CtaLayout::kThreeTeams). Measured on an H100 (thirty-sixth session,
-# two alternated rounds, 32k): 64/4 B = 24 23.6 / 23.8 -> 23.1 / 23.2 us, B = 32 24.4 / 24.0 -> 23.4 / 23.3, 16/1
-# B = 128 24.0 / 24.5 -> 23.4 / 23.4 (-2 to -4.5%); at 68 and 88 pairs 3 teams lost to the 4-CTA clusters (23.0
-# against 21.6 / 21.8, 23.2 against 22.7 / 22.5), so 3 -> 4 stays there.
+# two-team CTA gives 8: cc/sm80/decode/config.h, CtaLayout::kThreeTeams). Measured on an H100 (thirty-sixth session, two
+# alternated rounds, 32k): 64/4 B = 24 23.6 / 23.8 -> 23.1 / 23.2 us, B = 32 24.4 / 24.0 -> 23.4 / 23.3, 16/1 B = 128
+# 24.0 / 24.5 -> 23.4 / 23.4 (-2.3 to -3.5% on the means, -2 to -4.5% per round); at 68 and 88 pairs 3 teams lost to the
+# 4-CTA clusters (23.0 against 21.6 / 21.8, 23.2 against 22.7 / 22.5), so 3 -> 4 stays there.
 DECODE_SPLITS_INSTEAD = {kvc.KVFormat.BF16: {}, kvc.KVFormat.FP8: {3: 2},
                          kvc.KVFormat.NVFP4: {2: 3, 3: 4, 5: 4, 6: 8, 7: 8}}
 # Where the rule above gives 1 split, 2 (the two-team CTA, at two CTAs an SM once the pairs outnumber the SMs:
 # cc/sm80/decode/config.h, CtaLayout::kTeamsTwoPerSm) while the (token, KV head) pairs are at most this many an SM.
 # FP8, measured on the H200 (docs/BENCHMARKS.md, "FP8's two-team CTA at two an SM"), 64/4 32k, 2 splits against 1:
 # 160 pairs 29.9 / 30.0 us against 32.0 (-6%), 192 pairs 31.2 / 30.7 against 32.2 / 32.4 (-4%), 256 pairs 37.0 /
-# 36.8 against 36.7 (a tie), 1024 pairs 140.6 / 140.2 against 132.9 / 133.2 (+5.5%). On an H100 (thirty-sixth
-# session, the rule with the band against main's without it, one round): 136 pairs 43.6 -> 32.4 us (-26%), 160 pairs
-# 44.4 -> 36.1 (-19%), 192 pairs 45.1 -> 41.0 (-9%), 196 pairs 45.3 -> 41.9 (-7.5%), 256 pairs 51.8 / 51.3 (outside it).
+# 36.8 against 36.7 (a tie), 1024 pairs 140.6 / 140.2 against 132.9 / 133.2 (+5.5%). On an H100 (thirty-sixth session,
+# the rule with the band against main's without it, one round): 136 pairs 43.6 -> 32.4 us (-26%), 160 pairs 44.4 -> 36.1
+# (-19%), 192 pairs 45.1 -> 41.0 (-9%), 196 pairs 45.3 -> 41.9 (-7.5%), 256 pairs 51.8 -> 51.3 (-1%; outside it, 1 split
+# on both).
 DECODE_TWO_TEAM_PAIRS_PER_SM = {kvc.KVFormat.FP8: 1.5}
 # The GPUs whose SMs hold two such CTAs (228 KB or 164 KB of shared memory an SM; not the 100 KB of sm_86 / sm_89 /
 # sm_120, where the launcher keeps one an SM and the second wave would cost what the band gains)

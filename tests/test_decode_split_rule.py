@@ -1,7 +1,7 @@
 """The CUDA decode's split-K rule (ops.decode_num_splits): one CTA an SM for bf16 caches, two for FP8 / NVFP4, on the
 H200's 132 SMs, at most top-k splits, with the cluster sizes found slow replaced (ops.DECODE_SPLITS_INSTEAD). The
 expected factors are the fastest ones of the sweeps in docs/BENCHMARKS.md ("Split rule per format", H200; "The split
-rule without slow cluster sizes", H100)."""
+rule without slow cluster sizes" and "On an H100: FP8's team CTA two an SM and NVFP4's three-team CTA", H100)."""
 
 import types
 
