@@ -125,7 +125,7 @@ def _dequantized(case):
     fp32 holds them exactly), kept for the next cases that share the cache (both numpy_decode passes of a check, and
     every case of a format)."""
     cache, ks, vs = case["kv_cache"], case.get("k_scale", 1.0), case.get("v_scale", 1.0)
-    key = (id(cache), ks, vs)
+    key = (id(cache), float(ks), float(vs))
     hit = _DEQUANTIZED.get(key)
     if hit is None or hit[0] is not cache:
         kf, vf = jax_msa.kv_cache.dequantize_cache(cache, D, ks, vs)
