@@ -247,15 +247,21 @@ DECODE_TWO_TEAM_PAIRS_PER_SM = {kvc.KVFormat.FP8: 1.5}
 DECODE_TWO_TEAM_CTAS_FIT = ((8, 0), (8, 7), (9, 0), (10, 0), (10, 3))
 
 
-@functools.cache
-def cuda_sm_count() -> int:
-    """SMs of the first CUDA device this process sees (what the decode's split rule fills); without one (lowering
-    for CUDA on a CPU-only machine, say) the H200's 132."""
+def _first_cuda_device_attribute(name: str):
+    """Attribute `name` of the first CUDA device this process sees; None without one (lowering for CUDA on a CPU-only
+    machine, say) or without the attribute."""
     try:
         devices = jax.devices("cuda")
     except Exception:  # noqa: BLE001 (no CUDA backend in this process: jax raises RuntimeError or ValueError)
-        return H200_SMS
-    count = getattr(devices[0], "core_count", None) if devices else None
+        return None
+    return getattr(devices[0], name, None) if devices else None
+
+
+@functools.cache
+def cuda_sm_count() -> int:
+    """SMs of the first CUDA device this process sees (what the decode's split rule fills); without one the H200's
+    132."""
+    count = _first_cuda_device_attribute("core_count")
     return count if isinstance(count, int) and count > 0 else H200_SMS
 
 
@@ -263,12 +269,7 @@ def cuda_sm_count() -> int:
 def cuda_compute_capability() -> tuple[int, int]:
     """(major, minor) of the first CUDA device this process sees; without one, the H200's (9, 0)."""
     try:
-        devices = jax.devices("cuda")
-    except Exception:  # noqa: BLE001 (no CUDA backend in this process)
-        return (9, 0)
-    text = str(getattr(devices[0], "compute_capability", "")) if devices else ""
-    try:
-        major, minor = (int(x) for x in text.split("."))
+        major, minor = (int(x) for x in str(_first_cuda_device_attribute("compute_capability")).split("."))
     except ValueError:
         return (9, 0)
     return (major, minor)

@@ -33,6 +33,9 @@ K = 16
 TEAM_FORMATS = [KVFormat.FP8, KVFormat.NVFP4]
 # formats whose num_splits == 3 runs as the three teams of one CTA (config.h, CtaLayout::kThreeTeams)
 THREE_TEAM_FORMATS = [KVFormat.NVFP4]
+# (format, num_splits) of every team layout: the two-team CTA (2 splits), the three-team CTA (3)
+TEAM_SPLIT_CASES = [(fmt, 2) for fmt in TEAM_FORMATS] + [(fmt, 3) for fmt in THREE_TEAM_FORMATS]
+TEAM_SPLIT_IDS = [f"{fmt.name}-{splits}" for fmt, splits in TEAM_SPLIT_CASES]
 
 
 def _gpu():
@@ -221,8 +224,8 @@ def counting_merges(run):
 
 
 def check_on_teams(case, num_splits=2):
-    """check_case with num_splits = 2 (None: the split rule's choice, which the caller makes 2) on a format of
-    TEAM_FORMATS, and the module's launch counters showing that the two-team kernel ran (not the cluster, not the
+    """check_case with num_splits (None: the split rule's choice, which the caller sets) on a (format, num_splits) of
+    TEAM_SPLIT_CASES, and the module's launch counters showing that a team kernel ran (not the cluster, not the
     combine kernel)."""
     result, used = counting_merges(lambda: check_case(case, num_splits=num_splits))
     # one CTA an SM, or (FP8, more pairs than SMs) two: the same bits
@@ -248,10 +251,11 @@ def test_decode_corners(fmt, corner):
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("corner", ["holes", "short", "straddle", "early", "bad_pages"])
-@pytest.mark.parametrize("fmt", TEAM_FORMATS, ids=lambda f: f.name)
-def test_decode_teams_corners(fmt, corner):
-    """The corners on the two-team kernels (num_splits = 2): teams with no chunk, empty (token, KV head) pairs."""
-    check_on_teams(make_case(17 + 1000 * TEAM_FORMATS.index(fmt), fmt, 16, 4, 5, corner=corner))
+@pytest.mark.parametrize("fmt, splits", TEAM_SPLIT_CASES, ids=TEAM_SPLIT_IDS)
+def test_decode_teams_corners(fmt, splits, corner):
+    """The corners on the team kernels (two and three teams): teams with no chunk, empty (token, KV head) pairs."""
+    index = TEAM_SPLIT_CASES.index((fmt, splits))
+    check_on_teams(make_case(17 + 1000 * index, fmt, 16, 4, 5, corner=corner), num_splits=splits)
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
@@ -371,10 +375,8 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, group, batch, q_len, s
     and 1 heads."""
     from jax_msa import ops
 
-    if fmt in TEAM_FORMATS and splits == 2:
-        pytest.skip(f"{fmt.name}'s 2 splits run as the teams of one CTA: test_decode_two_splits_run_as_teams")
-    if fmt in THREE_TEAM_FORMATS and splits == 3:
-        pytest.skip(f"{fmt.name}'s 3 splits run as the teams of one CTA: test_decode_three_splits_run_as_teams")
+    if (fmt, splits) in TEAM_SPLIT_CASES:
+        pytest.skip(f"{fmt.name}'s {splits} splits run as the teams of one CTA: test_decode_splits_run_as_teams")
     monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: splits)
     case = make_case(500 + 10 * int(fmt) + batch, fmt, group, q_len, batch)
     paths = {}
@@ -392,18 +394,20 @@ def test_decode_cluster_merge_matches_combine_kernel(fmt, group, batch, q_len, s
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("group,batch,q_len", [(16, 1, 1), (16, 64, 1), (16, 5, 3), (8, 7, 2), (4, 3, 1), (1, 9, 1)])
-@pytest.mark.parametrize("fmt", TEAM_FORMATS, ids=lambda f: f.name)
-def test_decode_two_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
-    """FP8 and NVFP4 with num_splits == 2 run the two splits as the two 4-warp teams of one CTA a (token, KV head)
-    (config.h, CtaShape), merged through its shared memory: no cluster, no combine kernel (the module's launch
-    counters say which path ran), outputs within the oracle bound (NaN-poisoned), the same bits on a second run, and
-    JAX_MSA_DECODE_CLUSTER_MERGE=0 sending the splits to the combine kernel instead (within the bound too)."""
+@pytest.mark.parametrize("fmt, splits", TEAM_SPLIT_CASES, ids=TEAM_SPLIT_IDS)
+def test_decode_splits_run_as_teams(fmt, splits, group, batch, q_len, monkeypatch):
+    """FP8 and NVFP4 with num_splits == 2, and NVFP4 with 3, run the splits as the 4-warp teams of one CTA a
+    (token, KV head) (config.h, CtaLayout; three teams: 12 warps, the merge by the first 256 threads), merged through
+    its shared memory: no cluster, no combine kernel (the module's launch counters say which path ran), outputs
+    within the oracle bound (NaN-poisoned), the same bits on a second run, and JAX_MSA_DECODE_CLUSTER_MERGE=0 sending
+    the splits to the combine kernel instead (within the bound too)."""
     from jax_msa import ops
 
-    monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: 2)
-    case = make_case(900 + 1000 * TEAM_FORMATS.index(fmt) + 10 * group + batch, fmt, group, q_len, batch)
+    monkeypatch.setattr(ops, "decode_num_splits", lambda cfg, decode_query_len: splits)
+    index = TEAM_SPLIT_CASES.index((fmt, splits))
+    case = make_case(900 + 1000 * index + 10 * group + batch, fmt, group, q_len, batch)
     monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", "1")
-    out, lse = check_on_teams(case, num_splits=None)  # the rule's 2
+    out, lse = check_on_teams(case, num_splits=None)  # the rule's, set above
     again_out, again_lse = run_kernel(case)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again_out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(again_lse))
@@ -413,39 +417,13 @@ def test_decode_two_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
-@pytest.mark.parametrize("group,batch,q_len", [(16, 1, 1), (16, 64, 1), (16, 5, 3), (8, 7, 2), (4, 3, 1), (1, 9, 1)])
-@pytest.mark.parametrize("fmt", THREE_TEAM_FORMATS, ids=lambda f: f.name)
-def test_decode_three_splits_run_as_teams(fmt, group, batch, q_len, monkeypatch):
-    """NVFP4 with num_splits == 3 runs the three splits as the three 4-warp teams of one CTA (config.h,
-    CtaLayout::kThreeTeams: 12 warps, the merge by the first 256 threads): the launch counters say teams, outputs
-    within the oracle bound (NaN-poisoned), the same bits on a second run, and JAX_MSA_DECODE_CLUSTER_MERGE=0 sending
-    the splits to the combine kernel instead (within the bound too)."""
-    case = make_case(2300 + 10 * group + batch, fmt, group, q_len, batch)
-    monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", "1")
-    out, lse = check_on_teams(case, num_splits=3)
-    again_out, again_lse = run_kernel(case, num_splits=3)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again_out, np.float32))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(again_lse))
-    monkeypatch.setenv("JAX_MSA_DECODE_CLUSTER_MERGE", "0")
-    _, used = counting_merges(lambda: check_case(case, num_splits=3))
-    assert used["combine_kernel"] >= 1 and used["teams"] == 0, used
-
-
-@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
-@pytest.mark.parametrize("corner", ["holes", "short", "straddle", "early", "bad_pages"])
-@pytest.mark.parametrize("fmt", THREE_TEAM_FORMATS, ids=lambda f: f.name)
-def test_decode_three_teams_corners(fmt, corner):
-    """The corners on the three-team kernel (num_splits = 3): teams with no chunk, empty (token, KV head) pairs."""
-    check_on_teams(make_case(27, fmt, 16, 4, 5, corner=corner), num_splits=3)
-
-
-@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("fmt, batch, q_len, was, want, path", [
     (KVFormat.FP8, 18, 2, 3, 2, "teams"),       # 72 pairs: the two-team CTA instead of 3-CTA clusters
     (KVFormat.NVFP4, 36, 1, 3, 4, "cluster"),   # 72 pairs: 4-CTA clusters instead of 3
     (KVFormat.NVFP4, 20, 1, 6, 8, "cluster"),   # 40 pairs: 8-CTA clusters instead of 6
     (KVFormat.NVFP4, 31, 2, 2, 3, "teams"),     # 124 pairs: the three-team CTA instead of the two-team one
-], ids=["FP8-3to2", "NVFP4-3to4", "NVFP4-6to8", "NVFP4-2to3"])
+    (KVFormat.FP8, 36, 2, 1, 2, "teams_two_per_sm"),  # 144 pairs: 2 splits as team CTAs two an SM rather than 1
+], ids=["FP8-3to2", "NVFP4-3to4", "NVFP4-6to8", "NVFP4-2to3", "FP8-1to2"])
 def test_decode_rule_avoids_slow_cluster_sizes(fmt, batch, q_len, was, want, path):
     """The split rule's replacements (ops.DECODE_SPLITS_INSTEAD) on the GPU: the batch gives the plain rule `was`
     splits, the rule returns `want`, the launch counters show the path that factor takes, and the outputs meet the
@@ -455,6 +433,8 @@ def test_decode_rule_avoids_slow_cluster_sizes(fmt, batch, q_len, was, want, pat
 
     if ops.cuda_sm_count() != 132:
         pytest.skip("the cases are sized for 132 SMs (H100 SXM / H200)")
+    if path == "teams_two_per_sm" and ops.cuda_compute_capability() not in ops.DECODE_TWO_TEAM_CTAS_FIT:
+        pytest.skip(f"compute capability {ops.cuda_compute_capability()}: an SM holds one team CTA")
     pairs = batch * q_len * HKV
     assert (132 * ops.DECODE_CTAS_PER_SM[fmt]) // pairs == was
     cfg = types.SimpleNamespace(kv_format=fmt, batch=batch, num_kv_heads=HKV, topk=K)
@@ -505,23 +485,6 @@ def test_decode_fp8_teams_two_per_sm_match_one_per_sm(group, q_len):
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
-def test_decode_fp8_rule_takes_two_team_ctas_an_sm():
-    """At 136-198 (token, KV head) pairs on 132 SMs the FP8 rule gives 2 splits (ops.DECODE_TWO_TEAM_PAIRS_PER_SM)
-    where it gave 1, and the launch runs them as team CTAs two an SM; outputs within the oracle bound."""
-    import types
-    from jax_msa import ops
-
-    if ops.cuda_sm_count() != 132 or ops.cuda_compute_capability() not in ops.DECODE_TWO_TEAM_CTAS_FIT:
-        pytest.skip("the case is sized for 132 SMs that hold two team CTAs (H100 SXM / H200)")
-    batch, q_len = 36, 2  # 144 pairs: the plain rule's 264 // 144 = 1
-    assert (132 * ops.DECODE_CTAS_PER_SM[KVFormat.FP8]) // (batch * q_len * HKV) == 1
-    cfg = types.SimpleNamespace(kv_format=KVFormat.FP8, batch=batch, num_kv_heads=HKV, topk=K)
-    assert ops.decode_num_splits(cfg, q_len) == 2
-    _, used = counting_merges(lambda: check_case(make_case(2200, KVFormat.FP8, 16, q_len, batch)))
-    assert used["teams_two_per_sm"] >= 1 and sum(used.values()) == used["teams_two_per_sm"], used
-
-
-@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
 @pytest.mark.parametrize("splits", [1, 2, 3, 16])
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.name)
 def test_decode_fixed_num_splits_is_batch_invariant(fmt, splits):
@@ -552,18 +515,12 @@ def test_decode_small_for_sanitizer(fmt):
 
 @pytest.mark.sanitize
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
-@pytest.mark.parametrize("fmt", TEAM_FORMATS, ids=lambda f: f.name)
-def test_decode_teams_small_for_sanitizer(fmt):
-    """The two-team kernels (num_splits == 2) under memcheck: G = 8 (rows past the group computed, never stored)."""
-    check_on_teams(make_case(4 + 1000 * TEAM_FORMATS.index(fmt), fmt, 8, 2, 2))
-
-
-@pytest.mark.sanitize
-@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
-def test_decode_three_teams_small_for_sanitizer():
-    """The three-team kernel (NVFP4, num_splits == 3) under memcheck: G = 8 (rows past the group computed, never
-    stored; threads 256-383 take no part in the merge)."""
-    check_on_teams(make_case(6, KVFormat.NVFP4, 8, 2, 2), num_splits=3)
+@pytest.mark.parametrize("fmt, splits", TEAM_SPLIT_CASES, ids=TEAM_SPLIT_IDS)
+def test_decode_teams_small_for_sanitizer(fmt, splits):
+    """The team kernels (two and three teams) under memcheck: G = 8 (rows past the group computed, never stored; a
+    three-team CTA's threads 256-383 take no part in the merge)."""
+    index = TEAM_SPLIT_CASES.index((fmt, splits))
+    check_on_teams(make_case(4 + 1000 * index, fmt, 8, 2, 2), num_splits=splits)
 
 
 @pytest.mark.sanitize
