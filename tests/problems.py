@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -77,13 +78,20 @@ def cache_maker(fmt, k_scale: float = 1.0, v_scale: float = 1.0):
     import jax_msa
     from jax_msa import KVFormat, kv_cache, reference
 
-    def make(k, v):
+    scales = {} if fmt == KVFormat.BF16 else dict(k_scale=k_scale, v_scale=v_scale)
+
+    @jax.jit
+    def written_and_seen(k, v):
+        # one compiled program a shape (eagerly, write_kv's and the dequantization's few hundred primitives compile
+        # one by one for every new shape: seconds a problem on a GPU backend)
         pages, hkv, _, d = k.shape
         cache = jax_msa.allocate_cache(fmt, pages, hkv, d)
-        flat = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3).reshape(pages * PAGE, hkv, d), jnp.bfloat16)
-        scales = {} if fmt == KVFormat.BF16 else dict(k_scale=k_scale, v_scale=v_scale)
+        flat = lambda x: x.transpose(0, 2, 1, 3).reshape(pages * PAGE, hkv, d).astype(jnp.bfloat16)
         cache = reference.write_kv(cache, flat(k), flat(v), jnp.arange(pages * PAGE, dtype=jnp.int32), **scales)
-        k_seen, v_seen = kv_cache.dequantize_cache(cache, d, k_scale, v_scale)
+        return (cache, *kv_cache.dequantize_cache(cache, d, k_scale, v_scale))
+
+    def make(k, v):
+        cache, k_seen, v_seen = written_and_seen(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
         return cache, np.asarray(k_seen, np.float64), np.asarray(v_seen, np.float64)
     return make
 
