@@ -237,10 +237,8 @@ DECODE_SPLITS_INSTEAD = {kvc.KVFormat.BF16: {}, kvc.KVFormat.FP8: {3: 2},
 # cc/sm80/decode/config.h, CtaLayout::kTeamsTwoPerSm) while the (token, KV head) pairs are at most this many an SM.
 # FP8, measured on the H200 (docs/BENCHMARKS.md, "FP8's two-team CTA at two an SM"), 64/4 32k, 2 splits against 1:
 # 160 pairs 29.9 / 30.0 us against 32.0 (-6%), 192 pairs 31.2 / 30.7 against 32.2 / 32.4 (-4%), 256 pairs 37.0 /
-# 36.8 against 36.7 (a tie), 1024 pairs 140.6 / 140.2 against 132.9 / 133.2 (+5.5%). On an H100 (thirty-sixth session,
-# the rule with the band against main's without it, one round): 136 pairs 43.6 -> 32.4 us (-26%), 160 pairs 44.4 -> 36.1
-# (-19%), 192 pairs 45.1 -> 41.0 (-9%), 196 pairs 45.3 -> 41.9 (-7.5%), 256 pairs 51.8 -> 51.3 (-1%; outside it, 1 split
-# on both).
+# 36.8 against 36.7 (a tie), 1024 pairs 140.6 / 140.2 against 132.9 / 133.2 (+5.5%). On an H100 (thirty-seventh
+# session, two rounds), 2 splits against 1: 136 pairs 32.4 / 32.3 us against 33.0 / 33.2 (-2.3%), 160 and 192 pairs a tie.
 DECODE_TWO_TEAM_PAIRS_PER_SM = {kvc.KVFormat.FP8: 1.5}
 # The GPUs whose SMs hold two such CTAs (228 KB or 164 KB of shared memory an SM; not the 100 KB of sm_86 / sm_89 /
 # sm_120, where the launcher keeps one an SM and the second wave would cost what the band gains)
