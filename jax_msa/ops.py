@@ -238,7 +238,8 @@ DECODE_SPLITS_INSTEAD = {kvc.KVFormat.BF16: {}, kvc.KVFormat.FP8: {3: 2},
 # FP8, measured on the H200 (docs/BENCHMARKS.md, "FP8's two-team CTA at two an SM"), 64/4 32k, 2 splits against 1:
 # 160 pairs 29.9 / 30.0 us against 32.0 (-6%), 192 pairs 31.2 / 30.7 against 32.2 / 32.4 (-4%), 256 pairs 37.0 /
 # 36.8 against 36.7 (a tie), 1024 pairs 140.6 / 140.2 against 132.9 / 133.2 (+5.5%). On an H100 (thirty-seventh
-# session, two rounds), 2 splits against 1: 136 pairs 32.4 / 32.3 us against 33.0 / 33.2 (-2.3%), 160 and 192 pairs a tie.
+# session, two rounds; 160 pairs: one round of the rule), 2 splits against 1: 136 pairs 32.4 / 32.3 us against 33.0 /
+# 33.2 (-2.3%), 160 and 192 pairs within 0.3%.
 DECODE_TWO_TEAM_PAIRS_PER_SM = {kvc.KVFormat.FP8: 1.5}
 # The GPUs whose SMs hold two such CTAs (228 KB or 164 KB of shared memory an SM; not the 100 KB of sm_86 / sm_89 /
 # sm_120, where the launcher keeps one an SM and the second wave would cost what the band gains)

@@ -11,6 +11,7 @@ over tokens, KV heads and Python sets of keys; they never call ``jax_msa``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -72,9 +73,11 @@ class MsaProblem:
                     decode_query_len=self.decode_query_len, scale=self.scale)
 
 
+@functools.lru_cache(maxsize=None)
 def cache_maker(fmt, k_scale: float = 1.0, v_scale: float = 1.0):
     """cache_from_kv hook of make_problem for any format: the cache written by jax_msa.reference.write_kv (with the
-    scales for FP8 / NVFP4) and the float64 values a kernel sees after dequantization."""
+    scales for FP8 / NVFP4) and the float64 values a kernel sees after dequantization. One maker (and one jitted
+    program, compiled once a shape) per (format, scales) for the session."""
     import jax_msa
     from jax_msa import KVFormat, kv_cache, reference
 
@@ -86,12 +89,13 @@ def cache_maker(fmt, k_scale: float = 1.0, v_scale: float = 1.0):
         # one by one for every new shape: seconds a problem on a GPU backend)
         pages, hkv, _, d = k.shape
         cache = jax_msa.allocate_cache(fmt, pages, hkv, d)
-        flat = lambda x: x.transpose(0, 2, 1, 3).reshape(pages * PAGE, hkv, d).astype(jnp.bfloat16)
+        flat = lambda x: x.transpose(0, 2, 1, 3).reshape(pages * PAGE, hkv, d)
         cache = reference.write_kv(cache, flat(k), flat(v), jnp.arange(pages * PAGE, dtype=jnp.int32), **scales)
         return (cache, *kv_cache.dequantize_cache(cache, d, k_scale, v_scale))
 
     def make(k, v):
-        cache, k_seen, v_seen = written_and_seen(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
+        # k, v rounded to bf16 once, here (make_problem passes bf16 values, which this keeps exact)
+        cache, k_seen, v_seen = written_and_seen(jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16))
         return cache, np.asarray(k_seen, np.float64), np.asarray(v_seen, np.float64)
     return make
 

@@ -7,6 +7,7 @@ Bound: the kernel's error against the float64 oracle is at most 2x the error of 
 (jax_msa.reference with precision="bf16") on the same inputs.
 """
 
+import functools
 import os
 
 os.environ.setdefault("JAX_MSA_DEBUG_POISON", "1")
@@ -37,12 +38,17 @@ def kernel_scales(fmt):
     return {} if fmt == KVFormat.BF16 else dict(k_scale=K_SCALE, v_scale=V_SCALE)
 
 
+@functools.partial(jax.jit, static_argnames="precision")
+def _jitted_reference(q, kv_cache, topk, args, precision):
+    return reference.sparse_attention(q, kv_cache, topk, precision=precision, return_lse=True, **args)
+
+
 def jnp_attention(q, kv_cache, topk, *, precision, **args):
-    """jax_msa.reference.sparse_attention (out, lse) as one jitted program: called eagerly, its primitives compiled one
-    by one for every new shape, seconds a problem on a GPU backend. Same arithmetic either way (bf16 operands go
-    into the products as bf16 arrays, with no rounding round trip for XLA to drop)."""
-    return jax.jit(lambda q, c, t, a: reference.sparse_attention(q, c, t, precision=precision, return_lse=True, **a))(
-        q, kv_cache, topk, args)
+    """jax_msa.reference.sparse_attention (out, lse) as one jitted program, compiled once a shape for the session:
+    called eagerly, its primitives compiled one by one for every new shape, seconds a problem on a GPU backend. Same
+    arithmetic either way (bf16 operands go into the products as bf16 arrays, with no rounding round trip for XLA to
+    drop)."""
+    return _jitted_reference(q, kv_cache, topk, args, precision=precision)
 
 
 def run(problem, fmt, **kw):
