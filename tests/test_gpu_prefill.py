@@ -45,9 +45,9 @@ def _jitted_reference(q, kv_cache, topk, args, precision):
 
 def jnp_attention(q, kv_cache, topk, *, precision, **args):
     """jax_msa.reference.sparse_attention (out, lse) as one jitted program, compiled once a shape for the session:
-    called eagerly, its primitives compiled one by one for every new shape, seconds a problem on a GPU backend. Same
-    arithmetic either way (bf16 operands go into the products as bf16 arrays, with no rounding round trip for XLA to
-    drop)."""
+    called eagerly, its primitives compiled one by one for every new shape, seconds a problem on a GPU backend. The
+    same operations either way (bf16 operands go into the products as bf16 arrays, with no rounding round trip for XLA
+    to drop; on the CPU the outputs are bitwise the eager ones'), though on a GPU XLA may pick another GEMM algorithm."""
     return _jitted_reference(q, kv_cache, topk, args, precision=precision)
 
 
