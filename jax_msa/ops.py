@@ -267,9 +267,10 @@ def cuda_sm_count() -> int:
 @functools.cache
 def cuda_compute_capability() -> tuple[int, int]:
     """(major, minor) of the first CUDA device this process sees; without one, the H200's (9, 0)."""
+    text = _first_cuda_device_attribute("compute_capability")
     try:
-        major, minor = (int(x) for x in str(_first_cuda_device_attribute("compute_capability")).split("."))
-    except ValueError:
+        major, minor = (int(x) for x in str(text).split("."))
+    except ValueError:  # no CUDA device (None), or an unexpected form
         return (9, 0)
     return (major, minor)
 

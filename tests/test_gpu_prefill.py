@@ -39,16 +39,12 @@ def kernel_scales(fmt):
 
 
 @functools.partial(jax.jit, static_argnames="precision")
-def _jitted_reference(q, kv_cache, topk, args, precision):
-    return reference.sparse_attention(q, kv_cache, topk, precision=precision, return_lse=True, **args)
-
-
 def jnp_attention(q, kv_cache, topk, *, precision, **args):
     """jax_msa.reference.sparse_attention (out, lse) as one jitted program, compiled once a shape for the session:
     called eagerly, its primitives compiled one by one for every new shape, seconds a problem on a GPU backend. The
     same operations either way (bf16 operands go into the products as bf16 arrays, with no rounding round trip for XLA
     to drop; on the CPU the outputs are bitwise the eager ones'), though on a GPU XLA may pick another GEMM algorithm."""
-    return _jitted_reference(q, kv_cache, topk, args, precision=precision)
+    return reference.sparse_attention(q, kv_cache, topk, precision=precision, return_lse=True, **args)
 
 
 def run(problem, fmt, **kw):
