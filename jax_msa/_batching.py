@@ -50,9 +50,14 @@ def _relocate(ids, per_element: int):
 
 
 def _sequential(call: Callable, in_batched, args):
-    """One call per element of the vmapped axis (the ffi_call's own vmap_method="sequential")."""
-    axes = [0 if b else None for b in in_batched]
+    """One call per element of the vmapped axis (the ffi_call's own vmap_method="sequential"). in_batched: a
+    pytree of bools matching args (the scales are a tuple of three)."""
+    axes = tuple(jax.tree.map(lambda b: 0 if b else None, b) for b in in_batched)
     return jax.vmap(call, in_axes=axes)(*args)
+
+
+def _any_batched(scales_batched) -> bool:
+    return any(jax.tree.leaves(scales_batched))
 
 
 def fold_decode_batch(call: Callable, decode_query_len: int) -> Callable:
@@ -70,7 +75,7 @@ def fold_decode_batch(call: Callable, decode_query_len: int) -> Callable:
         q_b, cache_b, scales_b, topk_b, sl_b, bt_b = in_batched
         batch = seq_lens.shape[-1]
         num_pages = kv_cache.shape[1] if cache_b else kv_cache.shape[0]
-        if (scales_b or n * batch * decode_query_len > MAX_DECODE_ROWS
+        if (_any_batched(scales_b) or n * batch * decode_query_len > MAX_DECODE_ROWS
                 or (cache_b and n * num_pages >= INT32_LIMIT)):
             out, lse = _sequential(call, in_batched, args)
             return (out, lse), (True, True)
@@ -108,7 +113,7 @@ def fold_write_kv_batch(call: Callable) -> Callable:
         # [L, P, ...]), past the batch dimension
         num_pages = math.prod(kv_cache.shape[1 if cache_b else 0:-3])
         capacity = num_pages * PAGE_SIZE
-        if scales_b or n * capacity >= INT32_LIMIT:
+        if _any_batched(scales_b) or n * capacity >= INT32_LIMIT:
             return _sequential(call, in_batched, args), True
         kv_cache = _broadcast(kv_cache, cache_b, n)
         k = _broadcast(k, k_b, n)

@@ -4,14 +4,15 @@ the handlers and builds the ``ffi_call``s of the four custom calls.
 Targets (the same name for platform ``cpu`` and ``CUDA``):
 
 ====================== =================================================================================
-jax_msa_prefill        q, kv_cache, scales[3], cu_seqlens_q, seq_lens, block_table, plan arrays (6)
+jax_msa_prefill        q, kv_cache, q_scale, k_scale, v_scale (fp32 scalars), cu_seqlens_q, seq_lens, block_table,
+                       plan arrays (6)
                        -> out bf16 [T,Hq,D], lse f32 [T,Hq], partial workspaces (2)
 jax_msa_prefill_window the prefill's, with the WHOLE q [T_all,Hq,D] and one query window's batch and plan, then
                        optionally the previous window's out / lse (aliased) -> out [T_all,Hq,D], lse [T_all,Hq]
                        (the window's rows written), the window's partial workspaces (2); attr window_start
-jax_msa_decode         q, kv_cache, scales[3], topk, seq_lens, block_table
+jax_msa_decode         q, kv_cache, q_scale, k_scale, v_scale, topk, seq_lens, block_table
                        -> out, lse, split-K workspaces (2)
-jax_msa_write_kv       kv_cache (aliased), k, v, slot_mapping, scales[3] -> kv_cache
+jax_msa_write_kv       kv_cache (aliased), k, v, slot_mapping, k_scale, v_scale -> kv_cache
 ====================== =================================================================================
 
 The C++ side of these signatures is ``cc/ffi/bindings.h``.
@@ -153,11 +154,19 @@ def decode_merge_launches() -> dict:
 # Calls
 # ---------------------------------------------------------------------------------------------------------
 
-def pack_scales(q_scale, k_scale, v_scale):
-    """The fp32 scales travel as one traced [3] buffer so per-layer values never retrace."""
+class Scales(NamedTuple):
+    """The fp32 scales of a call, each a traced scalar operand of its own (None given: 1.0), so that per-layer
+    values never retrace. Not stacked into one buffer: a model's per-layer scales (its parameters) then reach the
+    custom call as they are, where a stack would add an XLA kernel to every call."""
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+
+
+def scale_operands(q_scale, k_scale, v_scale) -> Scales:
     def one(x):
         return jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(())
-    return jnp.stack([one(q_scale), one(k_scale), one(v_scale)])
+    return Scales(one(q_scale), one(k_scale), one(v_scale))
 
 
 class DecodeWorkspace(NamedTuple):
@@ -166,7 +175,7 @@ class DecodeWorkspace(NamedTuple):
 
 def _prefill_args(q, kv_cache, scales, cu_seqlens_q, seq_lens, block_table, plan) -> list:
     """The argument list both prefill targets start with (bindings.h prefill_args)."""
-    return [q, kv_cache, scales, cu_seqlens_q.astype(jnp.int32), seq_lens.astype(jnp.int32),
+    return [q, kv_cache, *scales, cu_seqlens_q.astype(jnp.int32), seq_lens.astype(jnp.int32),
             block_table.astype(jnp.int32), plan.row_ptr, plan.edge_query, plan.edge_rank, plan.query_edge_count,
             plan.work, plan.num_work]
 
@@ -237,7 +246,7 @@ def decode_call(q, kv_cache, scales, topk, seq_lens, block_table, *, softmax_sca
             TARGET_DECODE,
             (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, hq), jnp.float32), po, pl),
             vmap_method="sequential")
-        out, lse, partial_o, partial_lse = call(q, kv_cache, scales, topk, seq_lens, block_table,
+        out, lse, partial_o, partial_lse = call(q, kv_cache, *scales, topk, seq_lens, block_table,
                                                 softmax_scale=np.float32(softmax_scale), kv_format=np.int32(kv_format),
                                                 decode_query_len=np.int32(decode_query_len))
         return (out, lse, partial_o, partial_lse) if return_workspace else (out, lse)
@@ -255,7 +264,7 @@ def write_kv_call(kv_cache, k, v, slot_mapping, scales, *, kv_format: int):
         call = jax.ffi.ffi_call(
             TARGET_WRITE_KV, jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
             input_output_aliases={0: 0}, vmap_method="sequential")
-        return call(kv_cache, k, v, slot_mapping, scales, kv_format=np.int32(kv_format))
+        return call(kv_cache, k, v, slot_mapping, scales.k, scales.v, kv_format=np.int32(kv_format))
 
     # jax.vmap folds a vmapped axis into the cache's page axis (one call) instead of looping; see _batching.
     return _batching.fold_write_kv_batch(one_call)(

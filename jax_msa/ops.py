@@ -131,7 +131,7 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
     if chunk_size is not None and plan is not None:
         raise ValueError("jax_msa.sparse_attention: plan= and query_chunk_size cannot be combined: a plan covers "
                          "the whole batch, and the windows build their own; pass one or the other")
-    scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
+    scales = _ffi.scale_operands(q_scale, k_scale, v_scale)
     if chunk_size is not None and q.shape[0] > chunk_size:
         if _query_chunks.in_place(q.shape[0], chunk_size):
             out, lse = _windowed_attention(cfg, impl, softmax_scale, chunk_size, q, kv_cache, topk, cu_seqlens_q,
@@ -148,8 +148,8 @@ def sparse_attention(q, kv_cache, topk, *, cu_seqlens_q, seq_lens, block_table, 
 
     def ref(q, kv_cache, topk, cu, sl, bt, scales, plan):
         return reference.sparse_attention(q, kv_cache, topk, cu_seqlens_q=cu, seq_lens=sl, block_table=bt,
-                                          scale=softmax_scale, return_lse=True, q_scale=scales[0],
-                                          k_scale=scales[1], v_scale=scales[2])
+                                          scale=softmax_scale, return_lse=True, q_scale=scales.q,
+                                          k_scale=scales.k, v_scale=scales.v)
 
     if impl == "reference":
         out, lse = ref(q, kv_cache, topk, cu_seqlens_q, seq_lens, block_table, scales, None)
@@ -183,8 +183,8 @@ def _windowed_attention(cfg, impl, softmax_scale, chunk_size, q, kv_cache, topk,
         def attend(window_q, window_topk, window_cu, window_seq):
             return reference.sparse_attention(window_q, kv_cache, window_topk, cu_seqlens_q=window_cu,
                                               seq_lens=window_seq, block_table=bt, scale=softmax_scale,
-                                              return_lse=True, q_scale=scales[0], k_scale=scales[1],
-                                              v_scale=scales[2])
+                                              return_lse=True, q_scale=scales.q, k_scale=scales.k,
+                                              v_scale=scales.v)
         return _query_chunks.run_in_windows(attend, q, topk, cu, sl, chunk_size)
 
     if impl == "reference":
@@ -311,12 +311,12 @@ def sparse_decode(q, kv_cache, topk, *, seq_lens, block_table, decode_query_len=
     fixed_splits = _validation.check_num_splits(num_splits)
     decode_query_len = int(decode_query_len)  # a numpy integer is taken too
     softmax_scale = _validation.static_softmax_scale(scale, cfg.head_dim)
-    scales = _ffi.pack_scales(q_scale, k_scale, v_scale)
+    scales = _ffi.scale_operands(q_scale, k_scale, v_scale)
 
     def ref(q, kv_cache, topk, sl, bt, scales):
         return reference.sparse_decode(q, kv_cache, topk, seq_lens=sl, block_table=bt,
                                        decode_query_len=decode_query_len, scale=softmax_scale, return_lse=True,
-                                       q_scale=scales[0], k_scale=scales[1], v_scale=scales[2])
+                                       q_scale=scales.q, k_scale=scales.k, v_scale=scales.v)
 
     def make_kernel(splits):
         def kernel(q, kv_cache, topk, sl, bt, scales):
@@ -339,10 +339,10 @@ def write_kv(kv_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None, impl="
     a negative slot, or one beyond the cache, is skipped), quantizing for FP8 / NVFP4 caches. Returns the
     updated cache; under jit with the cache donated the update is in place."""
     fmt = _validation.check_write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
-    scales = _ffi.pack_scales(None, k_scale, v_scale)
+    scales = _ffi.scale_operands(None, k_scale, v_scale)
 
     def ref(cache, k, v, slots, scales):
-        return kvc.write_kv_reference(cache, k, v, slots, k_scale=scales[1], v_scale=scales[2])
+        return kvc.write_kv_reference(cache, k, v, slots, k_scale=scales.k, v_scale=scales.v)
 
     def kernel(cache, k, v, slots, scales):
         return _ffi.write_kv_call(cache, k, v, slots, scales, kv_format=int(fmt))

@@ -108,7 +108,7 @@ def test_decode_timeline_reads_the_workspace_layout():
     seq, bt = jnp.full((t,), 128, jnp.int32), jnp.zeros((t, 1), jnp.int32)
     out = jax.jit(lambda *a: _ffi.decode_call(*a, softmax_scale=0.1, kv_format=0, decode_query_len=1,
                                               workspace=_ffi.DecodeWorkspace(splits), return_workspace=True))(
-        q, cache, _ffi.pack_scales(None, None, None), topk, seq, bt)
+        q, cache, _ffi.scale_operands(None, None, None), topk, seq, bt)
     assert [x.shape for x in out] == [(t, hq, d), (t, hq), (splits, t, hq, d), (splits, t, hq)]
 
 

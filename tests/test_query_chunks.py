@@ -127,10 +127,10 @@ def test_windows_are_in_place_calls_with_window_sized_workspaces(platform):
         assert results[:2] == whole, results
         assert f"{window}x{hkv}x{k}x{g}x128x{partial}" in results, results
         assert f"window_start = {starts[i]} : i32" in line
-        if i == 0:
-            assert len(operands) == 12 and "output_operand_alias" not in line
+        if i == 0:  # q, cache, the 3 scales, cu_seqlens_q, seq_lens, block_table, the 6 plan arrays
+            assert len(operands) == 14 and "output_operand_alias" not in line
         else:
-            assert operands[12:] == whole, operands
+            assert operands[14:] == whole, operands
             assert line.count("output_operand_alias<") == 2, line
     assert not re.search(rf"dynamic_slice .*-> tensor<{window}x{hq}x128xbf16>", text)  # q is not sliced
 
@@ -176,7 +176,7 @@ def test_bad_window_calls_are_refused_at_trace_time():
     p = _problem(9)
     plan = jax_msa.build_prefill_plan(p.topk[:, :100], jnp.asarray([0, 100], jnp.int32), jnp.asarray([100], jnp.int32),
                                       max_blocks=p.block_table.shape[1])
-    scales = _ffi.pack_scales(None, None, None)
+    scales = _ffi.scale_operands(None, None, None)
     kw = dict(softmax_scale=0.1, kv_format=int(jax_msa.KVFormat.BF16))
     args = (p.q, p.kv_cache, scales, jnp.asarray([0, 100], jnp.int32), jnp.asarray([100], jnp.int32),
             p.block_table[:1], plan)

@@ -13,7 +13,7 @@ import pytest
 
 import jax_msa
 from jax_msa import _ffi
-from problems import PAGE, make_decode_problem, make_problem
+from problems import PAGE, cache_maker, make_decode_problem, make_problem
 
 TARGETS = (_ffi.TARGET_PREFILL, _ffi.TARGET_DECODE, _ffi.TARGET_WRITE_KV)
 
@@ -237,3 +237,35 @@ def test_cpu_lowering_of_a_layer_step_has_all_three_custom_calls():
 
     args = (*_prefill_args(p), d.q, d.topk, d.seq_lens, d.block_table)
     assert _jax_msa_calls(layer_step, args, "cpu") == set(TARGETS)
+
+
+def _fp8_op_with_scales(target):
+    """(fn(*arrays, k_scale, v_scale), arrays): the op on an FP8 cache, its scales traced arguments."""
+    if target == _ffi.TARGET_WRITE_KV:
+        cache, k, v, slots = _write_kv_args(571)
+        cache = jax_msa.allocate_cache(jax_msa.KVFormat.FP8, cache.shape[0], cache.shape[1], k.shape[-1])
+        return (lambda c, k, v, s, ks, vs: jax_msa.write_kv(c, k, v, s, k_scale=ks, v_scale=vs)), (cache, k, v, slots)
+    fp8 = cache_maker(jax_msa.KVFormat.FP8, 0.5, 0.25)
+    if target == _ffi.TARGET_PREFILL:
+        p = make_problem(572, q_lens=[6, 3], seq_lens=[200, 3], cache_from_kv=fp8, **M3_SHAPES)
+        return (lambda q, c, t, cu, sl, bt, ks, vs: jax_msa.sparse_attention(
+            q, c, t, cu_seqlens_q=cu, seq_lens=sl, block_table=bt, k_scale=ks, v_scale=vs)), _prefill_args(p)
+    p = make_decode_problem(573, seq_lens=[200, 3], cache_from_kv=fp8, **M3_SHAPES)
+    return (lambda q, c, t, sl, bt, ks, vs: jax_msa.sparse_decode(
+        q, c, t, seq_lens=sl, block_table=bt, k_scale=ks, v_scale=vs)), _decode_args(p)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_traced_scales_are_operands_of_the_custom_call(target):
+    """A layer's scales passed as traced fp32 scalars (a model's parameters) are the custom call's operands as they
+    are: no XLA kernel stacks them first (one a call before the scales became three operands). Checked in the CPU
+    program compiled by XLA; the CUDA lowering passes the same operand list (bindings.h)."""
+    fn, arrays = _fp8_op_with_scales(target)
+    scales = (jnp.float32(0.5), jnp.float32(0.25))
+    hlo = jax.jit(fn).lower(*arrays, *scales).compile().as_text()
+    params = re.findall(r"(%\S+) = f32\[\] parameter\((\d+)\)", hlo)
+    assert sorted(int(i) for _, i in params) == [len(arrays), len(arrays) + 1]
+    for name, _ in params:  # each scale's one user: the custom call, which takes it as an operand
+        users = [line for line in hlo.splitlines()
+                 if re.search(rf"[(,]\s*(/\*[^*]*\*/)?{re.escape(name)}\b", line.split("=", 1)[-1])]
+        assert len(users) == 1 and f'custom_call_target="{target}"' in users[0], (name, users)

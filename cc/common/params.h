@@ -11,14 +11,13 @@
 
 namespace jax_msa {
 
-// The three fp32 scalars that travel as one device buffer so that per-layer scales never retrace.
-enum ScaleIndex : int { kQScale = 0, kKScale = 1, kVScale = 2, kNumScales = 3 };
-
 struct PrefillParams {
   // ---- inputs
   const void* q;                    // [T, Hq, D] bf16 bits, or e4m3 when q_is_fp8 (q = e4m3 * q_scale)
   const void* kv_cache;             // see kv_format.h; format = kv_format
-  const float* scales;              // [3] fp32: q_scale, k_scale, v_scale
+  const float* q_scale;             // [] fp32, read only when q_is_fp8
+  const float* k_scale;             // [] fp32: K = stored value * k_scale (FP8 / NVFP4 caches; unread for bf16)
+  const float* v_scale;             // [] fp32: V = stored value * v_scale (likewise)
   const int32_t* cu_seqlens_q;      // [B + 1]
   const int32_t* seq_lens;          // [B] total KV length per request (new tokens included)
   const int32_t* block_table;       // [B, MB] logical block -> physical page
@@ -52,7 +51,9 @@ struct DecodeParams {
   // ---- inputs
   const void* q;                    // [B * QL, Hq, D] bf16 bits, or e4m3 when q_is_fp8
   const void* kv_cache;             // see kv_format.h
-  const float* scales;              // [3] fp32: q_scale, k_scale, v_scale
+  const float* q_scale;             // [] fp32, read only when q_is_fp8
+  const float* k_scale;             // [] fp32: K = stored value * k_scale (FP8 / NVFP4 caches; unread for bf16)
+  const float* v_scale;             // [] fp32: V = stored value * v_scale (likewise)
   const int32_t* topk_ids;          // [Hkv, B * QL, K] request-local block ids, -1 = hole
   const int32_t* seq_lens;          // [B]
   const int32_t* block_table;       // [B, MB]
@@ -74,7 +75,8 @@ struct WriteKvParams {
   const uint16_t* k;                // [N, Hkv, D] bf16 bits
   const uint16_t* v;                // [N, Hkv, D] bf16 bits
   const int32_t* slot_mapping;      // [N] page * 128 + offset; negative or beyond the cache = skip
-  const float* scales;              // [3] fp32: (unused), k_scale, v_scale
+  const float* k_scale;             // [] fp32: stored value = k / k_scale (FP8; NVFP4's global scale; unread for bf16)
+  const float* v_scale;             // [] fp32: likewise for v
   int num_tokens, num_kv_heads, head_dim;
   int64_t num_pages;
   KvFormat kv_format;

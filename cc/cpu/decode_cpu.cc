@@ -12,7 +12,7 @@ namespace jax_msa::cpu {
 void decode(const DecodeParams& p) {
   const int D = p.head_dim, Hkv = p.num_kv_heads, G = p.num_q_heads / p.num_kv_heads, K = p.topk;
   const KvPageReader reader{p.kv_cache, p.kv_format, Hkv, D};
-  const float q_scale = p.scales[kQScale], k_scale = p.scales[kKScale], v_scale = p.scales[kVScale];
+  const float q_scale = *p.q_scale, k_scale = *p.k_scale, v_scale = *p.v_scale;
   const int64_t tokens = int64_t(p.batch) * p.q_len;
 
   parallel_for(tokens * Hkv, 1, [&](int64_t tg) {

@@ -14,7 +14,7 @@ void prefill(const PrefillParams& p) {
   const PlanView plan = PlanView::from(p);
   const int D = p.head_dim, Hkv = p.num_kv_heads, G = p.num_q_heads / p.num_kv_heads;
   const KvPageReader reader{p.kv_cache, p.kv_format, Hkv, D};
-  const float q_scale = p.scales[kQScale], k_scale = p.scales[kKScale], v_scale = p.scales[kVScale];
+  const float q_scale = *p.q_scale, k_scale = *p.k_scale, v_scale = *p.v_scale;
   float* partial_o = static_cast<float*>(p.partial_o);  // fp32 here (the FFI handler checks)
 
   parallel_for(plan.work_count(), 4, [&](int64_t w) {

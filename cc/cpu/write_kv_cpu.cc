@@ -23,7 +23,7 @@ void write_kv(const WriteKvParams& p) {
       const Nvfp4Slot geo{D};
       for (int kv = 0; kv < 2; ++kv) {
         uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + geo.slot_offset(page, Hkv, g, kv);
-        const float global = p.scales[kv == 0 ? kKScale : kVScale];
+        const float global = *(kv == 0 ? p.k_scale : p.v_scale);
         for (int c = 0; c < geo.groups(); ++c) {
           float x[16];
           for (int i = 0; i < 16; ++i) x[i] = bf16_bits_to_float(src[kv][c * 16 + i]);
@@ -41,8 +41,8 @@ void write_kv(const WriteKvParams& p) {
     } else {
       uint8_t* dst = static_cast<uint8_t*>(p.kv_cache) + row;
       for (int d = 0; d < D; ++d) {
-        dst[d] = fp8_quantize(bf16_bits_to_float(src[0][d]), p.scales[kKScale]);
-        dst[D + d] = fp8_quantize(bf16_bits_to_float(src[1][d]), p.scales[kVScale]);
+        dst[d] = fp8_quantize(bf16_bits_to_float(src[0][d]), *p.k_scale);
+        dst[D + d] = fp8_quantize(bf16_bits_to_float(src[1][d]), *p.v_scale);
       }
     }
   });

@@ -26,6 +26,27 @@ inline ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidA
 
 inline bool is_fp8(const ffi::AnyBuffer& b) { return b.element_type() == ffi::DataType::F8E4M3FN; }
 
+// The fp32 scales, each a scalar operand of its own: a model's per-layer scales (parameters) then reach the call as
+// they are, where stacking them into one buffer would cost an XLA kernel a call.
+struct ScaleBuffers {
+  F32Buffer q, k, v;
+};
+
+inline ffi::Error check_scalar(const F32Buffer& b, const char* name) {
+  return b.element_count() == 1 ? ffi::Error::Success() : invalid(std::string(name) + " must be an fp32 scalar");
+}
+
+template <typename P>
+ffi::Error bind_scales(P& p, const ScaleBuffers& s) {
+  for (auto [buffer, name] : {std::pair<const F32Buffer*, const char*>{&s.q, "q_scale"}, {&s.k, "k_scale"},
+                              {&s.v, "v_scale"}})
+    if (auto e = check_scalar(*buffer, name); e.failure()) return e;
+  p.q_scale = s.q.typed_data();
+  p.k_scale = s.k.typed_data();
+  p.v_scale = s.v.typed_data();
+  return ffi::Error::Success();
+}
+
 // Checks the query and cache (format, rank, dtype, head_dim); fills q/cache fields shared by the ops.
 template <typename P>
 ffi::Error bind_q_and_cache(P& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& cache, int32_t kv_format) {
@@ -62,12 +83,14 @@ ffi::Error bind_q_and_cache(P& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer&
 }
 
 // ---- prefill ------------------------------------------------------------------------------------------
-// args: q, kv_cache, scales[3], cu_seqlens_q[B+1], seq_lens[B], block_table[B,MB],
+// args: q, kv_cache, q_scale[], k_scale[], v_scale[] (fp32), cu_seqlens_q[B+1], seq_lens[B], block_table[B,MB],
 //       row_ptr, edge_query, edge_rank, query_edge_count, work, num_work
 template <typename B>
 auto prefill_args(B&& b) {  // by reference: a Binding does not move into a parameter
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
       .template Arg<F32Buffer>()
       .template Arg<I32Buffer>()
       .template Arg<I32Buffer>()
@@ -118,7 +141,7 @@ auto prefill_window_signature(B b) {
 // No window_start: the whole call (T = q's tokens). With one: the window [window_start, window_start + T) of
 // q / out / lse, T the plan's tokens (query_edge_count [Hkv, T]); p's q / out / lse point at the window's first row.
 inline ffi::Error make_prefill_params(
-    PrefillParams& p, ffi::AnyBuffer q, ffi::AnyBuffer cache, F32Buffer scales, I32Buffer cu_seqlens_q,
+    PrefillParams& p, ffi::AnyBuffer q, ffi::AnyBuffer cache, const ScaleBuffers& scales, I32Buffer cu_seqlens_q,
     I32Buffer seq_lens, I32Buffer block_table, I32Buffer row_ptr, I32Buffer edge_query, I32Buffer edge_rank,
     I32Buffer query_edge_count, I32Buffer work, I32Buffer num_work, ffi::ResultBuffer<ffi::BF16> out,
     ffi::ResultBuffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
@@ -156,8 +179,7 @@ inline ffi::Error make_prefill_params(
     return invalid("prefill partial_o must be float32 or bfloat16");
   if (out->element_count() != q_rows * p.num_q_heads * p.head_dim || lse->element_count() != q_rows * p.num_q_heads)
     return invalid("out / lse must be [T, Hq, D] / [T, Hq] (T: q's tokens)");
-  if (scales.element_count() < kNumScales) return invalid("scales must be [3]");
-  p.scales = scales.typed_data();
+  if (auto e = bind_scales(p, scales); e.failure()) return e;
   p.cu_seqlens_q = cu_seqlens_q.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.block_table = block_table.typed_data();
@@ -179,13 +201,16 @@ inline ffi::Error make_prefill_params(
 }
 
 // ---- decode -------------------------------------------------------------------------------------------
-// args: q[B*QL,Hq,D], kv_cache, scales[3], topk[Hkv,B*QL,K], seq_lens[B], block_table[B,MB]
+// args: q[B*QL,Hq,D], kv_cache, q_scale[], k_scale[], v_scale[] (fp32), topk[Hkv,B*QL,K], seq_lens[B],
+//       block_table[B,MB]
 // rets: out[B*QL,Hq,D] bf16, lse[B*QL,Hq] f32, partial_o[S,B*QL,Hq,D] f32, partial_lse[S,B*QL,Hq] f32
 // attrs: softmax_scale (f32), kv_format (i32), decode_query_len (i32)
 template <typename B>
 auto decode_signature(B b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
       .template Arg<F32Buffer>()
       .template Arg<I32Buffer>()
       .template Arg<I32Buffer>()
@@ -199,8 +224,9 @@ auto decode_signature(B b) {
       .template Attr<int32_t>("decode_query_len");
 }
 
-inline ffi::Error make_decode_params(DecodeParams& p, ffi::AnyBuffer q, ffi::AnyBuffer cache, F32Buffer scales,
-                                     I32Buffer topk, I32Buffer seq_lens, I32Buffer block_table,
+inline ffi::Error make_decode_params(DecodeParams& p, ffi::AnyBuffer q, ffi::AnyBuffer cache,
+                                     const ScaleBuffers& scales, I32Buffer topk, I32Buffer seq_lens,
+                                     I32Buffer block_table,
                                      ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> lse,
                                      ffi::ResultBuffer<ffi::F32> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
                                      float softmax_scale, int32_t kv_format, int32_t decode_query_len) {
@@ -222,8 +248,7 @@ inline ffi::Error make_decode_params(DecodeParams& p, ffi::AnyBuffer q, ffi::Any
     return invalid("decode split workspaces must be [S, B*QL, Hq(, D)]");
   if (out->element_count() != rows * p.head_dim || lse->element_count() != rows)
     return invalid("out / lse must be [B*QL, Hq, D] / [B*QL, Hq]");
-  if (scales.element_count() < kNumScales) return invalid("scales must be [3]");
-  p.scales = scales.typed_data();
+  if (auto e = bind_scales(p, scales); e.failure()) return e;
   p.topk_ids = topk.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.block_table = block_table.typed_data();
@@ -236,7 +261,8 @@ inline ffi::Error make_decode_params(DecodeParams& p, ffi::AnyBuffer q, ffi::Any
 }
 
 // ---- write_kv -----------------------------------------------------------------------------------------
-// args: kv_cache (aliased to ret 0), k[N,Hkv,D] bf16, v[N,Hkv,D] bf16, slot_mapping[N] i32, scales[3] f32
+// args: kv_cache (aliased to ret 0), k[N,Hkv,D] bf16, v[N,Hkv,D] bf16, slot_mapping[N] i32, k_scale[], v_scale[]
+//       (fp32)
 // rets: kv_cache
 // attrs: kv_format (i32)
 template <typename B>
@@ -246,6 +272,7 @@ auto write_kv_signature(B b) {
       .template Arg<ffi::Buffer<ffi::BF16>>()
       .template Arg<I32Buffer>()
       .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Attr<int32_t>("kv_format");
 }
@@ -253,14 +280,15 @@ auto write_kv_signature(B b) {
 // Both handlers trust every extent they index, so the buffers are checked against each other here.
 inline ffi::Error check_write_kv_buffers(const jax_msa::WriteKvParams& p, const ffi::AnyBuffer& cache,
                                   const ffi::Buffer<ffi::BF16>& v, const I32Buffer& slot_mapping,
-                                  const F32Buffer& scales) {
+                                  const F32Buffer& k_scale, const F32Buffer& v_scale) {
   using jax_msa::KvFormat;
   const int64_t N = p.num_tokens, Hkv = p.num_kv_heads, D = p.head_dim;
   if (v.dimensions().size() != 3 || v.dimensions()[0] != N || v.dimensions()[1] != Hkv || v.dimensions()[2] != D)
     return invalid("v must have k's shape [N, Hkv, D]");
   if (slot_mapping.dimensions().size() != 1 || slot_mapping.dimensions()[0] != N)
     return invalid("slot_mapping must be [N]");
-  if (scales.element_count() < jax_msa::kNumScales) return invalid("scales must be [3]");
+  if (auto e = check_scalar(k_scale, "k_scale"); e.failure()) return e;
+  if (auto e = check_scalar(v_scale, "v_scale"); e.failure()) return e;
   if (Hkv <= 0 || D <= 0) return invalid("write_kv needs Hkv > 0 and head_dim > 0");
   // [pages..., heads, 128, bytes]: dimension i of the page's [heads, 128, bytes]
   const auto page_dim = [&](int i) { return dim(cache, rank(cache) - 3 + i); };
@@ -288,8 +316,9 @@ inline ffi::Error check_write_kv_buffers(const jax_msa::WriteKvParams& p, const 
 }
 
 inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::BF16> k,
-                                       ffi::Buffer<ffi::BF16> v, I32Buffer slot_mapping, F32Buffer scales,
-                                       ffi::Result<ffi::AnyBuffer> cache_out, int32_t kv_format) {
+                                       ffi::Buffer<ffi::BF16> v, I32Buffer slot_mapping, F32Buffer k_scale,
+                                       F32Buffer v_scale, ffi::Result<ffi::AnyBuffer> cache_out,
+                                       int32_t kv_format) {
   p = WriteKvParams{};
   if (cache_out->untyped_data() != cache_in.untyped_data())
     return invalid("write_kv expects its cache output aliased to its cache input");
@@ -301,7 +330,8 @@ inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in
   p.k = k.typed_data();
   p.v = v.typed_data();
   p.slot_mapping = slot_mapping.typed_data();
-  p.scales = scales.typed_data();
+  p.k_scale = k_scale.typed_data();
+  p.v_scale = v_scale.typed_data();
   p.num_tokens = int(k.dimensions()[0]);
   p.num_kv_heads = int(k.dimensions()[1]);
   p.head_dim = int(k.dimensions()[2]);
@@ -309,7 +339,7 @@ inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in
   for (int i = 0; i + 3 < rank(cache_in); ++i) p.num_pages *= dim(cache_in, i);
   p.kv_format = KvFormat(kv_format);
   if (kv_format < 0 || kv_format > 2) return invalid("unknown kv_format");
-  return check_write_kv_buffers(p, cache_in, v, slot_mapping, scales);
+  return check_write_kv_buffers(p, cache_in, v, slot_mapping, k_scale, v_scale);
 }
 
 }  // namespace jax_msa::ffi_bind

@@ -20,16 +20,17 @@ ffi::Error run_prefill(const jax_msa::PrefillParams& p) {
   return ffi::Error::Success();
 }
 
-ffi::Error prefill_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer scales, fb::I32Buffer cu_seqlens_q,
-                            fb::I32Buffer seq_lens, fb::I32Buffer block_table, fb::I32Buffer row_ptr,
-                            fb::I32Buffer edge_query, fb::I32Buffer edge_rank, fb::I32Buffer query_edge_count,
+ffi::Error prefill_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer q_scale, fb::F32Buffer k_scale,
+                            fb::F32Buffer v_scale, fb::I32Buffer cu_seqlens_q, fb::I32Buffer seq_lens,
+                            fb::I32Buffer block_table, fb::I32Buffer row_ptr, fb::I32Buffer edge_query,
+                            fb::I32Buffer edge_rank, fb::I32Buffer query_edge_count,
                             fb::I32Buffer work, fb::I32Buffer num_work, ffi::ResultBuffer<ffi::BF16> out,
                             ffi::ResultBuffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> partial_o,
                             ffi::ResultBuffer<ffi::F32> partial_lse, float softmax_scale, int32_t kv_format) {
   jax_msa::PrefillParams p;
-  if (auto e = fb::make_prefill_params(p, q, cache, scales, cu_seqlens_q, seq_lens, block_table, row_ptr, edge_query,
-                                       edge_rank, query_edge_count, work, num_work, out, lse, partial_o,
-                                       partial_lse, softmax_scale, kv_format);
+  if (auto e = fb::make_prefill_params(p, q, cache, {q_scale, k_scale, v_scale}, cu_seqlens_q, seq_lens, block_table,
+                                       row_ptr, edge_query, edge_rank, query_edge_count, work, num_work, out,
+                                       lse, partial_o, partial_lse, softmax_scale, kv_format);
       e.failure())
     return e;
   return run_prefill(p);
@@ -37,7 +38,8 @@ ffi::Error prefill_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffe
 
 // One query window of sparse_attention(query_chunk_size=...), written into the whole out / lse in place (the
 // optional out_in / lse_in are those buffers, aliased to the results: nothing to read from them).
-ffi::Error prefill_window_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer scales,
+ffi::Error prefill_window_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer q_scale,
+                                   fb::F32Buffer k_scale, fb::F32Buffer v_scale,
                                    fb::I32Buffer cu_seqlens_q, fb::I32Buffer seq_lens, fb::I32Buffer block_table,
                                    fb::I32Buffer row_ptr, fb::I32Buffer edge_query, fb::I32Buffer edge_rank,
                                    fb::I32Buffer query_edge_count, fb::I32Buffer work, fb::I32Buffer num_work,
@@ -46,22 +48,23 @@ ffi::Error prefill_window_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F
                                    ffi::Result<ffi::AnyBuffer> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
                                    float softmax_scale, int32_t kv_format, int32_t window_start) {
   jax_msa::PrefillParams p;
-  if (auto e = fb::make_prefill_params(p, q, cache, scales, cu_seqlens_q, seq_lens, block_table, row_ptr, edge_query,
-                                       edge_rank, query_edge_count, work, num_work, out, lse, partial_o,
-                                       partial_lse, softmax_scale, kv_format, window_start);
+  if (auto e = fb::make_prefill_params(p, q, cache, {q_scale, k_scale, v_scale}, cu_seqlens_q, seq_lens, block_table,
+                                       row_ptr, edge_query, edge_rank, query_edge_count, work, num_work, out,
+                                       lse, partial_o, partial_lse, softmax_scale, kv_format, window_start);
       e.failure())
     return e;
   return run_prefill(p);
 }
 
-ffi::Error decode_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer scales, fb::I32Buffer topk,
-                           fb::I32Buffer seq_lens, fb::I32Buffer block_table, ffi::ResultBuffer<ffi::BF16> out,
+ffi::Error decode_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer q_scale, fb::F32Buffer k_scale,
+                           fb::F32Buffer v_scale, fb::I32Buffer topk, fb::I32Buffer seq_lens,
+                           fb::I32Buffer block_table, ffi::ResultBuffer<ffi::BF16> out,
                            ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> partial_o,
                            ffi::ResultBuffer<ffi::F32> partial_lse, float softmax_scale, int32_t kv_format,
                            int32_t decode_query_len) {
   jax_msa::DecodeParams p;
-  if (auto e = fb::make_decode_params(p, q, cache, scales, topk, seq_lens, block_table, out, lse, partial_o,
-                                      partial_lse, softmax_scale, kv_format, decode_query_len);
+  if (auto e = fb::make_decode_params(p, q, cache, {q_scale, k_scale, v_scale}, topk, seq_lens, block_table, out, lse,
+                                      partial_o, partial_lse, softmax_scale, kv_format, decode_query_len);
       e.failure())
     return e;
   jax_msa::cpu::decode(p);
@@ -69,10 +72,11 @@ ffi::Error decode_cpu_impl(ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer
 }
 
 ffi::Error write_kv_cpu_impl(ffi::AnyBuffer cache_in, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
-                             fb::I32Buffer slot_mapping, fb::F32Buffer scales, ffi::Result<ffi::AnyBuffer> cache_out,
-                             int32_t kv_format) {
+                             fb::I32Buffer slot_mapping, fb::F32Buffer k_scale, fb::F32Buffer v_scale,
+                             ffi::Result<ffi::AnyBuffer> cache_out, int32_t kv_format) {
   jax_msa::WriteKvParams p;
-  if (auto e = fb::make_write_kv_params(p, cache_in, k, v, slot_mapping, scales, cache_out, kv_format); e.failure())
+  if (auto e = fb::make_write_kv_params(p, cache_in, k, v, slot_mapping, k_scale, v_scale, cache_out, kv_format);
+      e.failure())
     return e;
   jax_msa::cpu::write_kv(p);
   return ffi::Error::Success();

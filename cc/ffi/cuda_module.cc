@@ -45,10 +45,11 @@ ffi::Error cuda_failure(const char* what, cudaError_t err) {
 }
 
 ffi::Error write_kv_cuda_impl(cudaStream_t stream, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::BF16> k,
-                              ffi::Buffer<ffi::BF16> v, fb::I32Buffer slot_mapping, fb::F32Buffer scales,
-                              ffi::Result<ffi::AnyBuffer> cache_out, int32_t kv_format) {
+                              ffi::Buffer<ffi::BF16> v, fb::I32Buffer slot_mapping, fb::F32Buffer k_scale,
+                              fb::F32Buffer v_scale, ffi::Result<ffi::AnyBuffer> cache_out, int32_t kv_format) {
   jax_msa::WriteKvParams p;
-  if (auto e = fb::make_write_kv_params(p, cache_in, k, v, slot_mapping, scales, cache_out, kv_format); e.failure())
+  if (auto e = fb::make_write_kv_params(p, cache_in, k, v, slot_mapping, k_scale, v_scale, cache_out, kv_format);
+      e.failure())
     return e;
   // the kernel's 16-value chunks (ops.py sends it nothing else: _cuda_write_kv_supported)
   if (p.head_dim % 16 != 0 || p.head_dim > 256)

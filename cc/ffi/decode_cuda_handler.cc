@@ -19,14 +19,15 @@ namespace fb = jax_msa::ffi_bind;
 
 namespace {
 
-ffi::Error decode_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer scales,
-                            fb::I32Buffer topk, fb::I32Buffer seq_lens, fb::I32Buffer block_table,
+ffi::Error decode_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer q_scale,
+                            fb::F32Buffer k_scale, fb::F32Buffer v_scale, fb::I32Buffer topk, fb::I32Buffer seq_lens,
+                            fb::I32Buffer block_table,
                             ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> lse,
                             ffi::ResultBuffer<ffi::F32> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
                             float softmax_scale, int32_t kv_format, int32_t decode_query_len) {
   jax_msa::DecodeParams p;
-  if (auto e = fb::make_decode_params(p, q, cache, scales, topk, seq_lens, block_table, out, lse, partial_o,
-                                      partial_lse, softmax_scale, kv_format, decode_query_len);
+  if (auto e = fb::make_decode_params(p, q, cache, {q_scale, k_scale, v_scale}, topk, seq_lens, block_table, out, lse,
+                                      partial_o, partial_lse, softmax_scale, kv_format, decode_query_len);
       e.failure())
     return e;
   jax_msa::cuda::KernelPath path;

@@ -51,7 +51,8 @@ ffi::Error launch_prefill(cudaStream_t stream, const jax_msa::PrefillParams& p, 
   return ffi::Error::Success();
 }
 
-ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer scales,
+ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer q_scale,
+                             fb::F32Buffer k_scale, fb::F32Buffer v_scale,
                              fb::I32Buffer cu_seqlens_q, fb::I32Buffer seq_lens, fb::I32Buffer block_table,
                              fb::I32Buffer row_ptr, fb::I32Buffer edge_query, fb::I32Buffer edge_rank,
                              fb::I32Buffer query_edge_count, fb::I32Buffer work, fb::I32Buffer num_work,
@@ -59,9 +60,9 @@ ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
                              ffi::Result<ffi::AnyBuffer> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
                              float softmax_scale, int32_t kv_format) {
   jax_msa::PrefillParams p;
-  if (auto e = fb::make_prefill_params(p, q, cache, scales, cu_seqlens_q, seq_lens, block_table, row_ptr, edge_query,
-                                       edge_rank, query_edge_count, work, num_work, out, lse, partial_o,
-                                       partial_lse, softmax_scale, kv_format);
+  if (auto e = fb::make_prefill_params(p, q, cache, {q_scale, k_scale, v_scale}, cu_seqlens_q, seq_lens, block_table,
+                                       row_ptr, edge_query, edge_rank, query_edge_count, work, num_work, out,
+                                       lse, partial_o, partial_lse, softmax_scale, kv_format);
       e.failure())
     return e;
   return launch_prefill(stream, p, partial_o, partial_lse);
@@ -69,7 +70,8 @@ ffi::Error prefill_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
 
 // One query window of sparse_attention(query_chunk_size=...), written into the whole out / lse in place (the
 // optional out_in / lse_in are those buffers, aliased to the results: nothing to read from them).
-ffi::Error prefill_window_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer cache, fb::F32Buffer scales,
+ffi::Error prefill_window_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer cache,
+                                    fb::F32Buffer q_scale, fb::F32Buffer k_scale, fb::F32Buffer v_scale,
                                     fb::I32Buffer cu_seqlens_q, fb::I32Buffer seq_lens, fb::I32Buffer block_table,
                                     fb::I32Buffer row_ptr, fb::I32Buffer edge_query, fb::I32Buffer edge_rank,
                                     fb::I32Buffer query_edge_count, fb::I32Buffer work, fb::I32Buffer num_work,
@@ -78,9 +80,9 @@ ffi::Error prefill_window_cuda_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
                                     ffi::Result<ffi::AnyBuffer> partial_o, ffi::ResultBuffer<ffi::F32> partial_lse,
                                     float softmax_scale, int32_t kv_format, int32_t window_start) {
   jax_msa::PrefillParams p;
-  if (auto e = fb::make_prefill_params(p, q, cache, scales, cu_seqlens_q, seq_lens, block_table, row_ptr, edge_query,
-                                       edge_rank, query_edge_count, work, num_work, out, lse, partial_o,
-                                       partial_lse, softmax_scale, kv_format, window_start);
+  if (auto e = fb::make_prefill_params(p, q, cache, {q_scale, k_scale, v_scale}, cu_seqlens_q, seq_lens, block_table,
+                                       row_ptr, edge_query, edge_rank, query_edge_count, work, num_work, out,
+                                       lse, partial_o, partial_lse, softmax_scale, kv_format, window_start);
       e.failure())
     return e;
   return launch_prefill(stream, p, partial_o, partial_lse);

@@ -86,7 +86,7 @@ def run_case(case, calls, splits_override, flush):
     q, cache, topks, seq, bt = make_inputs(rng, fmt, hq, hkv, batch, context, q_len, calls,
                                            pool_pages(fmt, hkv, batch, context))
     scale = 1.0 if fmt == KVFormat.BF16 else 0.5
-    scales = _ffi.pack_scales(None, jnp.float32(scale), jnp.float32(scale))
+    scales = _ffi.scale_operands(None, jnp.float32(scale), jnp.float32(scale))
     call = jax.jit(lambda q, c, t, s, b: _ffi.decode_call(
         q, c, scales, t, s, b, softmax_scale=128 ** -0.5, kv_format=int(fmt), decode_query_len=q_len,
         workspace=_ffi.DecodeWorkspace(splits), return_workspace=True))

@@ -57,9 +57,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_prefill_tcgen05_kernel(con
 
   // ---- 4. softmax of row R = tid over the keys its query sees (log2 units), P (bf16) into sP
   const bool quantized = F != KvFormat::kBf16;
-  const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
-  const float k_scale = quantized ? p.scales[kKScale] : 1.0f;
-  const float v_scale = quantized ? p.scales[kVScale] : 1.0f;
+  const float q_scale = p.q_is_fp8 ? *p.q_scale : 1.0f;
+  const float k_scale = quantized ? *p.k_scale : 1.0f;
+  const float v_scale = quantized ? *p.v_scale : 1.0f;
   const float scale_log2 = p.softmax_scale * q_scale * k_scale * kLog2e;
   const int row = tid, qi = row / group;
   const bool row_ok = qi < v.count;

@@ -84,9 +84,9 @@ __device__ __forceinline__ void attend_tile(const PrefillParams& p, const PlanVi
   const int q_swz = lane & 7, q_unit_hi = lane >> 4;
 
   const bool quantized = F != KvFormat::kBf16;
-  const float q_scale = p.q_is_fp8 ? p.scales[kQScale] : 1.0f;
-  const float k_scale = quantized ? p.scales[kKScale] : 1.0f;
-  const float v_scale = quantized ? p.scales[kVScale] : 1.0f;
+  const float q_scale = p.q_is_fp8 ? *p.q_scale : 1.0f;
+  const float k_scale = quantized ? *p.k_scale : 1.0f;
+  const float v_scale = quantized ? *p.v_scale : 1.0f;
   const float scale_log2 = p.softmax_scale * q_scale * k_scale * kLog2e;
 
   float acc[16][4];

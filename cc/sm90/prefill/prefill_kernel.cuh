@@ -521,8 +521,8 @@ __device__ __forceinline__ void consume_items(const TmaPrefillArgs& a, SharedSto
   const int warp = tid >> 5, lane = tid & 31;
   const int group = p.num_q_heads / p.num_kv_heads;
   constexpr bool kScaled = F != KvFormat::kBf16;
-  const float scale_log2 = p.softmax_scale * (kScaled ? p.scales[kKScale] : 1.0f) * sm80::kLog2e;
-  const float v_scale = kScaled ? p.scales[kVScale] : 1.0f;
+  const float scale_log2 = p.softmax_scale * (kScaled ? *p.k_scale : 1.0f) * sm80::kLog2e;
+  const float v_scale = kScaled ? *p.v_scale : 1.0f;
   // The two rows of the tile this thread holds in every accumulator: R = 64 wg + 16 warp + lane / 4 (+ 8).
   const int row0 = wg * kConsumerRows + warp * 16 + (lane >> 2);
   const int tok[2] = {row0 / group, (row0 + 8) / group};

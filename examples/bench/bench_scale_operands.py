@@ -1,0 +1,90 @@
+"""What a layer's FP8 / NVFP4 scales cost per decode call, by how they reach jax_msa.sparse_decode.
+
+A model calls the decode once per layer, each layer with its own k_scale / v_scale. One jitted program chains R
+calls (64/4 heads, B = 1, 32k context, each call's output the next call's query, a different top-k set each so the
+selected blocks are not L2-resident), with the scales given three ways:
+
+  constant  Python floats: folded into the program as constants;
+  params    R pairs of traced fp32 scalars, the program's arguments (a model's per-layer parameters);
+  scan      two stacked [R] arrays, the layers run by lax.scan and the scales indexed per step (a scanned model).
+
+It prints the time per call (wall time of the program / R, median and p10-p90 over repeats) and the number of XLA
+fusions in the compiled program (kernels besides jax_msa's: with the scales stacked into one operand, one a call).
+Run it against two installations to compare how they pass the scales.
+
+    python examples/bench/bench_scale_operands.py [--layers 64] [--repeats 30] [--fmt FP8 --fmt NVFP4]
+"""
+
+import argparse
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_msa
+from bench_decode import make_inputs, pool_pages
+from jax_msa import KVFormat
+from timing import median_p10_p90
+
+HQ, HKV, CONTEXT = 64, 4, 32768
+
+
+def programs(cache, seq, bt, layers):
+    def call(q, topk, ks, vs):
+        return jax_msa.sparse_decode(q, cache, topk, seq_lens=seq, block_table=bt, impl="kernel", k_scale=ks,
+                                     v_scale=vs)
+
+    def constant(q, topks, ks, vs):
+        for i, t in enumerate(topks):
+            q = call(q, t, 0.5 + 0.01 * i, 0.25 + 0.01 * i)
+        return q
+
+    def params(q, topks, ks, vs):
+        for t, k, v in zip(topks, ks, vs):
+            q = call(q, t, k, v)
+        return q
+
+    def scan(q, topks, ks, vs):
+        def step(q, x):
+            t, k, v = x
+            return call(q, t, k, v), None
+        return jax.lax.scan(step, q, (jnp.stack(topks), ks, vs))[0]
+
+    ks = 0.5 + 0.01 * jnp.arange(layers, dtype=jnp.float32)
+    vs = 0.25 + 0.01 * jnp.arange(layers, dtype=jnp.float32)
+    as_list = ([ks[i] for i in range(layers)], [vs[i] for i in range(layers)])
+    return {"constant": (constant, as_list), "params": (params, as_list), "scan": (scan, (ks, vs))}
+
+
+def fusions(compiled_text: str) -> int:
+    """XLA fusions in the compiled program's text (each a kernel launch where it runs; those in the scan's loop body
+    run once a layer)."""
+    return sum(1 for line in compiled_text.splitlines() if re.match(r"\s*\S+ = .* fusion\(", line))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--fmt", action="append", choices=["FP8", "NVFP4"])
+    args = ap.parse_args()
+    print(f"jax_msa {jax_msa.__file__}, {jax.devices()[0].device_kind}")
+    print(f"| format | scales | us a call (p10-p90) | XLA fusions in the program ({args.layers} calls) |")
+    print("|---|---|---|---|")
+    for name in args.fmt or ["FP8", "NVFP4"]:
+        fmt = KVFormat[name]
+        rng = np.random.default_rng(0)
+        q, cache, topks, seq, bt = make_inputs(rng, fmt, HQ, HKV, 1, CONTEXT, 1, args.layers,
+                                               pool_pages(fmt, HKV, 1, CONTEXT))
+        for how, (fn, (ks, vs)) in programs(cache, seq, bt, args.layers).items():
+            jitted = jax.jit(fn)
+            n_fusions = fusions(jitted.lower(q, topks, ks, vs).compile().as_text())
+            med, p10, p90 = median_p10_p90(jitted, (q, topks, ks, vs), args.repeats)
+            n = args.layers
+            print(f"| {name} | {how} | {med / n * 1e6:.2f} ({p10 / n * 1e6:.2f}-{p90 / n * 1e6:.2f}) | "
+                  f"{n_fusions} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
