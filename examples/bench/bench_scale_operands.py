@@ -13,6 +13,7 @@ fusions in the compiled program (kernels besides jax_msa's: with the scales stac
 Run it against two installations to compare how they pass the scales.
 
     python examples/bench/bench_scale_operands.py [--layers 64] [--repeats 30] [--fmt FP8 --fmt NVFP4]
+    python examples/bench/bench_scale_operands.py --quick    # 8 layers, 5 repeats, FP8 (.ci/gpu_run.sh bench)
 """
 
 import argparse
@@ -68,7 +69,10 @@ def main():
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--fmt", action="append", choices=["FP8", "NVFP4"])
+    ap.add_argument("--quick", action="store_true", help="a short run: 8 layers, 5 repeats, FP8 only")
     args = ap.parse_args()
+    if args.quick:
+        args.layers, args.repeats, args.fmt = 8, 5, args.fmt or ["FP8"]
     print(f"jax_msa {jax_msa.__file__}, {jax.devices()[0].device_kind}")
     print(f"| format | scales | us a call (p10-p90) | XLA fusions in the program ({args.layers} calls) |")
     print("|---|---|---|---|")
