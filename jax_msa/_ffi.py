@@ -56,7 +56,18 @@ def _running_ffi_api_version() -> tuple[int, int] | None:
     return int(major.group(1)), int(minor.group(1))
 
 
+# The version of the operand lists this module builds (cc/ffi/module_common.h kFfiSignatures; bindings.h).
+FFI_SIGNATURES = 2
+
+
 def _check_abi(module, name: str) -> None:
+    signatures = int(getattr(module, "FFI_SIGNATURES", 1))  # modules built before the attribute: the [3] scales
+    if signatures != FFI_SIGNATURES:
+        raise ImportError(
+            f"jax_msa: the extension {name} was built for the custom calls' operand lists version {signatures}, "
+            f"but this jax_msa Python package builds version {FFI_SIGNATURES}: the extension modules are stale "
+            f"(for example an in-tree build from an older checkout). Rebuild them (pip install . or "
+            f".ci/build_inplace.sh).")
     built = (int(module.XLA_FFI_API_MAJOR), int(module.XLA_FFI_API_MINOR))
     running = _running_ffi_api_version()
     if running is None:
@@ -155,8 +166,8 @@ def decode_merge_launches() -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 class Scales(NamedTuple):
-    """The fp32 scales of a call, each a traced scalar operand of its own (None given: 1.0), so that per-layer
-    values never retrace. Not stacked into one buffer: a model's per-layer scales (its parameters) then reach the
+    """The fp32 scales of a call, each a traced scalar operand of its own (None given: 1.0), so that new per-layer
+    values passed as jit arguments never retrace. Not stacked into one buffer: a model's per-layer scales (its parameters) then reach the
     custom call as they are, where a stack would add an XLA kernel to every call."""
     q: jax.Array
     k: jax.Array

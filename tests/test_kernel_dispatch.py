@@ -61,3 +61,18 @@ def test_build_options_are_reported():
     options = _ffi.cuda_build_options()
     assert set(options) == {"sm90_prefill_pingpong", "sm90_prefill_bulk_store", "decode_timeline"}, options
     assert all(isinstance(v, bool) for v in options.values()), options
+
+
+def test_the_extension_modules_build_the_python_operand_lists():
+    """Each loaded extension module reports the version of the custom calls' operand lists that _ffi builds; a stale
+    module (an older build: no attribute, i.e. version 1, the scales in one [3] buffer) is refused at import."""
+    from jax_msa import _jax_msa_cpu
+
+    modules = [_jax_msa_cpu] + ([_ffi._cuda_module] if _ffi.cuda_available() else [])
+    assert all(m.FFI_SIGNATURES == _ffi.FFI_SIGNATURES for m in modules)
+
+    class Stale:
+        XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR = _jax_msa_cpu.XLA_FFI_API_MAJOR, _jax_msa_cpu.XLA_FFI_API_MINOR
+
+    with pytest.raises(ImportError, match="operand lists version 1"):
+        _ffi._check_abi(Stale, "_jax_msa_cpu")

@@ -263,9 +263,21 @@ def test_traced_scales_are_operands_of_the_custom_call(target):
     fn, arrays = _fp8_op_with_scales(target)
     scales = (jnp.float32(0.5), jnp.float32(0.25))
     hlo = jax.jit(fn).lower(*arrays, *scales).compile().as_text()
-    params = re.findall(r"(%\S+) = f32\[\] parameter\((\d+)\)", hlo)
+    entry = hlo[hlo.index("\nENTRY "):]  # the top-level computation (fusions have f32[] parameters of their own)
+    params = re.findall(r"(%\S+) = f32\[\] parameter\((\d+)\)", entry)
     assert sorted(int(i) for _, i in params) == [len(arrays), len(arrays) + 1]
     for name, _ in params:  # each scale's one user: the custom call, which takes it as an operand
-        users = [line for line in hlo.splitlines()
-                 if re.search(rf"[(,]\s*(/\*[^*]*\*/)?{re.escape(name)}\b", line.split("=", 1)[-1])]
+        users = [line for line in entry.splitlines()
+                 if re.search(rf"[(,]\s*(/\*[^*]*\*/)?{re.escape(name)}(?![\w.])", line.split("=", 1)[-1])]
         assert len(users) == 1 and f'custom_call_target="{target}"' in users[0], (name, users)
+
+
+def test_a_scale_that_is_not_a_scalar_is_refused_by_the_handler():
+    """The handlers check each scale operand's size (bindings.h check_scalar); the public ops refuse such a scale at
+    trace time already, so the custom call is reached here directly."""
+    cache, k, v, slots = _write_kv_args(574)
+    cache = jax_msa.allocate_cache(jax_msa.KVFormat.FP8, cache.shape[0], cache.shape[1], k.shape[-1])
+    one = jnp.ones((), jnp.float32)
+    scales = _ffi.Scales(one, jnp.ones((2,), jnp.float32), one)
+    with pytest.raises(Exception, match="k_scale must be an fp32 scalar"):
+        jax.block_until_ready(_ffi.write_kv_call(cache, k, v, slots, scales, kv_format=int(jax_msa.KVFormat.FP8)))

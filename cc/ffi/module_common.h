@@ -15,11 +15,17 @@ nanobind::capsule capsule(Fn* fn) {
   return nanobind::capsule(reinterpret_cast<void*>(fn));
 }
 
-// The XLA FFI API version these handlers were compiled against; the import-time guard in
-// jax_msa/_ffi.py compares it with the running jaxlib's before anything is registered.
+// The version of the custom calls' operand lists (cc/ffi/bindings.h), raised whenever one changes; jax_msa/_ffi.py
+// builds the calls for FFI_SIGNATURES of the same value. 2: the scales as scalar operands of their own (2026-12-06;
+// 1, implicit: one [3] buffer).
+inline constexpr int kFfiSignatures = 2;
+
+// The XLA FFI API version these handlers were compiled against and their operand lists' version; the import-time
+// guard in jax_msa/_ffi.py compares them with the running jaxlib's and its own before anything is registered.
 inline void add_version_info(nanobind::module_& m) {
   m.attr("XLA_FFI_API_MAJOR") = int(XLA_FFI_API_MAJOR);
   m.attr("XLA_FFI_API_MINOR") = int(XLA_FFI_API_MINOR);
+  m.attr("FFI_SIGNATURES") = kFfiSignatures;
 }
 
 }  // namespace jax_msa::ffi_bind
