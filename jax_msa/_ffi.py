@@ -167,8 +167,8 @@ def decode_merge_launches() -> dict:
 
 class Scales(NamedTuple):
     """The fp32 scales of a call, each a traced scalar operand of its own (None given: 1.0), so that new per-layer
-    values passed as jit arguments never retrace. Not stacked into one buffer: a model's per-layer scales (its parameters) then reach the
-    custom call as they are, where a stack would add an XLA kernel to every call."""
+    values passed as jit arguments never retrace. Not stacked into one buffer: a model's per-layer scales (its
+    parameters) then reach the custom call as they are, where a stack would add an XLA kernel to every call."""
     q: jax.Array
     k: jax.Array
     v: jax.Array
