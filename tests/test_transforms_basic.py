@@ -13,6 +13,7 @@ import pytest
 
 import jax_msa
 from jax_msa import _ffi
+from hlo_text import entry_computation, scalar_parameters, users_of
 from problems import PAGE, cache_maker, make_decode_problem, make_problem
 
 TARGETS = (_ffi.TARGET_PREFILL, _ffi.TARGET_DECODE, _ffi.TARGET_WRITE_KV)
@@ -262,13 +263,11 @@ def test_traced_scales_are_operands_of_the_custom_call(target):
     program compiled by XLA; the CUDA lowering passes the same operand list (bindings.h)."""
     fn, arrays = _fp8_op_with_scales(target)
     scales = (jnp.float32(0.5), jnp.float32(0.25))
-    hlo = jax.jit(fn).lower(*arrays, *scales).compile().as_text()
-    entry = hlo[hlo.index("\nENTRY "):]  # the top-level computation (fusions have f32[] parameters of their own)
-    params = re.findall(r"(%\S+) = f32\[\] parameter\((\d+)\)", entry)
-    assert sorted(int(i) for _, i in params) == [len(arrays), len(arrays) + 1]
+    entry = entry_computation(jax.jit(fn).lower(*arrays, *scales).compile().as_text())
+    params = scalar_parameters(entry)
+    assert sorted(i for _, i in params) == [len(arrays), len(arrays) + 1]
     for name, _ in params:  # each scale's one user: the custom call, which takes it as an operand
-        users = [line for line in entry.splitlines()
-                 if re.search(rf"[(,]\s*(/\*[^*]*\*/)?{re.escape(name)}(?![\w.])", line.split("=", 1)[-1])]
+        users = users_of(entry, name)
         assert len(users) == 1 and f'custom_call_target="{target}"' in users[0], (name, users)
 
 
