@@ -18,10 +18,15 @@ Unbatched operands are broadcast first (a shared cache under a batched write_kv 
 result holds L caches). Each (token, head) of decode and each written token of write_kv is computed
 independently of the others, so the folded call is bit-identical to the loop.
 
-Sequential fallback (one call per element, still exact): batched scales (q_scale / k_scale / v_scale
-differ per element: the kernels take one scalar each), and folds whose indices would overflow int32 or
+scales     per-element scales (a layer's q_scale / k_scale / v_scale) [L] -> [L] (an inner fold's [L1] -> [L*L1]),
+           all three alike, unbatched ones broadcast: the decode's request l*B+b reads entry l (requests_per_scale
+           = B, bindings.h group_scales), write_kv's token l*N+n likewise. Scalars shared by every element stay
+           scalars.
+
+Sequential fallback (one call per element, still exact): folds whose indices would overflow int32 or
 whose decode batch would exceed the CUDA grid limit (L*B*decode_query_len > 65535). Prefill has no rule:
-its plan indexes requests and pages of one batch, so it always runs sequentially.
+its plan indexes requests and pages of one batch, and its kernels take scalar scales, so it always runs
+sequentially.
 """
 
 from __future__ import annotations
@@ -56,8 +61,13 @@ def _sequential(call: Callable, in_batched, args):
     return jax.vmap(call, in_axes=axes)(*args)
 
 
-def _any_batched(scales_batched) -> bool:
-    return any(jax.tree.leaves(scales_batched))
+def _fold_scales(scales, scales_batched, size: int):
+    """scales: a NamedTuple of fp32 scalars or [L1] vectors (an inner fold's), all of one shape. Shared scalars stay
+    as they are; otherwise each becomes [size * L1]: entry l * L1 + i is element l's entry i, so that the folded call,
+    whose requests / tokens are element-major, reads each element's own scales (bindings.h group_scales)."""
+    if not any(jax.tree.leaves(scales_batched)) and all(s.ndim == 0 for s in scales):
+        return scales
+    return type(scales)(*(_broadcast(s, b, size).reshape(-1) for s, b in zip(scales, scales_batched)))
 
 
 def fold_decode_batch(call: Callable, decode_query_len: int) -> Callable:
@@ -75,8 +85,7 @@ def fold_decode_batch(call: Callable, decode_query_len: int) -> Callable:
         q_b, cache_b, scales_b, topk_b, sl_b, bt_b = in_batched
         batch = seq_lens.shape[-1]
         num_pages = kv_cache.shape[1] if cache_b else kv_cache.shape[0]
-        if (_any_batched(scales_b) or n * batch * decode_query_len > MAX_DECODE_ROWS
-                or (cache_b and n * num_pages >= INT32_LIMIT)):
+        if n * batch * decode_query_len > MAX_DECODE_ROWS or (cache_b and n * num_pages >= INT32_LIMIT):
             out, lse = _sequential(call, in_batched, args)
             return (out, lse), (True, True)
         q = _broadcast(q, q_b, n)
@@ -88,7 +97,7 @@ def fold_decode_batch(call: Callable, decode_query_len: int) -> Callable:
             kv_cache = kv_cache.reshape(n * num_pages, *kv_cache.shape[2:])
         t, hq, d = q.shape[1:]
         hkv, _, k = topk.shape[1:]
-        out, lse = decode(q.reshape(n * t, hq, d), kv_cache, scales,
+        out, lse = decode(q.reshape(n * t, hq, d), kv_cache, _fold_scales(scales, scales_b, n),
                           jnp.moveaxis(topk, 0, 1).reshape(hkv, n * t, k), seq_lens.reshape(n * batch),
                           block_table.reshape(n * batch, block_table.shape[-1]))
         return (out.reshape(n, t, hq, d), lse.reshape(n, t, hq)), (True, True)
@@ -113,7 +122,7 @@ def fold_write_kv_batch(call: Callable) -> Callable:
         # [L, P, ...]), past the batch dimension
         num_pages = math.prod(kv_cache.shape[1 if cache_b else 0:-3])
         capacity = num_pages * PAGE_SIZE
-        if _any_batched(scales_b) or n * capacity >= INT32_LIMIT:
+        if n * capacity >= INT32_LIMIT:
             return _sequential(call, in_batched, args), True
         kv_cache = _broadcast(kv_cache, cache_b, n)
         k = _broadcast(k, k_b, n)
@@ -123,7 +132,7 @@ def fold_write_kv_batch(call: Callable) -> Callable:
         # the cache goes in as it is, [n, pages..., heads, 128, bytes] (the custom call takes leading dimensions as
         # pages): reshaped, it would no longer alias the call's output under donation, and XLA would copy it
         out = write(kv_cache, k.reshape(n * tokens, *k.shape[2:]), v.reshape(n * tokens, *v.shape[2:]),
-                    slot_mapping.reshape(n * tokens), scales)
+                    slot_mapping.reshape(n * tokens), _fold_scales(scales, scales_b, n))
         return out, True
 
     return write

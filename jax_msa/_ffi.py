@@ -10,9 +10,9 @@ jax_msa_prefill        q, kv_cache, q_scale, k_scale, v_scale (fp32 scalars), cu
 jax_msa_prefill_window the prefill's, with the WHOLE q [T_all,Hq,D] and one query window's batch and plan, then
                        optionally the previous window's out / lse (aliased) -> out [T_all,Hq,D], lse [T_all,Hq]
                        (the window's rows written), the window's partial workspaces (2); attr window_start
-jax_msa_decode         q, kv_cache, q_scale, k_scale, v_scale, topk, seq_lens, block_table
-                       -> out, lse, split-K workspaces (2)
-jax_msa_write_kv       kv_cache (aliased), k, v, slot_mapping, k_scale, v_scale -> kv_cache
+jax_msa_decode         q, kv_cache, q_scale, k_scale, v_scale (fp32 scalars, or [L] vectors: jax.vmap's fold of
+                       per-layer scales, _batching), topk, seq_lens, block_table -> out, lse, split-K workspaces (2)
+jax_msa_write_kv       kv_cache (aliased), k, v, slot_mapping, k_scale, v_scale (as decode's) -> kv_cache
 ====================== =================================================================================
 
 The C++ side of these signatures is ``cc/ffi/bindings.h``.
@@ -57,7 +57,7 @@ def _running_ffi_api_version() -> tuple[int, int] | None:
 
 
 # The version of the operand lists this module builds (cc/ffi/module_common.h kFfiSignatures; bindings.h).
-FFI_SIGNATURES = 2
+FFI_SIGNATURES = 3
 
 
 def _check_abi(module, name: str) -> None:
@@ -168,7 +168,8 @@ def decode_merge_launches() -> dict:
 class Scales(NamedTuple):
     """The fp32 scales of a call, each a traced scalar operand of its own (None given: 1.0), so that new per-layer
     values passed as jit arguments never retrace. Not stacked into one buffer: a model's per-layer scales (its
-    parameters) then reach the custom call as they are, where a stack would add an XLA kernel to every call."""
+    parameters) then reach the custom call as they are, where a stack would add an XLA kernel to every call. Under
+    jax.vmap, the decode's and write_kv's fold makes per-element scales [L] vectors (_batching._fold_scales)."""
     q: jax.Array
     k: jax.Array
     v: jax.Array

@@ -3,7 +3,7 @@
 Every format x GQA 8/16 x q_len 1/4 x batch 1/7/64 with contexts off the 128 grid (every top-k row also holds
 holes, ids beyond the sequence and duplicates), plus corner cases (rows of holes only, short contexts, draft tokens
 straddling blocks, contexts shorter than the draft (negative positions), valid blocks whose page is out of range,
-top-k sizes, FP8 query, query rows of extreme magnitude).
+top-k sizes, FP8 query, query rows of extreme magnitude, layers with their own scales folded by jax.vmap).
 Outputs are poisoned with NaN before each launch (JAX_MSA_DEBUG_POISON=1), so an unwritten element shows.
 Bound: the kernel's error against the fp32 reference is at most 2x the error of a bf16 jnp implementation
 (jax_msa.reference with precision="bf16") on the same inputs.
@@ -187,7 +187,11 @@ def run_kernel(case, **static):
 
 
 def check_case(case, **static):
-    out, lse = run_kernel(case, **static)
+    return check_outputs(case, *run_kernel(case, **static))
+
+
+def check_outputs(case, out, lse):
+    """The kernel's out / lse for `case` against the float64 oracle, within 2x the bf16 implementation's error."""
     o = np.asarray(out, np.float32)
     lse = np.asarray(lse)
     assert not np.isnan(o).any(), "unwritten (NaN-poisoned) or NaN outputs"
@@ -286,6 +290,40 @@ def test_decode_fp8_query(fmt):
     case["q"] = (case["q"].astype(jnp.float32) / q_scale).astype(jnp.float8_e4m3fn)
     case["q_scale"] = q_scale
     check_case(case)
+
+
+@pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("q_fp8", [False, True], ids=["bf16_query", "fp8_query"])
+@pytest.mark.parametrize("fmt", TEAM_FORMATS, ids=lambda f: f.name)
+def test_decode_vmapped_over_layers_with_per_layer_scales(fmt, q_fp8):
+    """jit(vmap(sparse_decode)) over 3 layers that share the cache, each with its own k_scale / v_scale (and q_scale
+    for an e4m3 query): one custom call, the layers folded into its batch and the scales into [3] vectors that each
+    request indexes (jax_msa/_batching.py, bindings.h group_scales); every layer against its own oracle. Batches of 5
+    and 44 requests a layer x q_len 2 (the split rule picks num_splits from one layer's batch; the fold keeps it)."""
+    scales = ((0.5, 2.0, 0.05), (1.0, 1.0, 0.03), (3.0, 0.25, 0.08))  # (k_scale, v_scale, q_scale) per layer
+    for batch in (5, 44):
+        layers = []
+        for i, (ks, vs, qs) in enumerate(scales):
+            case = make_case(7700 + 10 * batch + i, fmt, 16, 2, batch)
+            case.update(k_scale=np.float32(ks), v_scale=np.float32(vs))
+            if q_fp8:
+                case.update(q=(case["q"].astype(jnp.float32) / qs).astype(jnp.float8_e4m3fn), q_scale=np.float32(qs))
+            layers.append(case)
+        cache = layers[0].pop("kv_cache")
+        for case in layers[1:]:
+            assert case.pop("kv_cache") is cache
+        stacked = {k: jnp.stack([jnp.asarray(c[k]) for c in layers]) for k in layers[0] if k != "decode_query_len"}
+
+        def decode(kv_cache, arrays):
+            return jax_msa.sparse_decode(kv_cache=kv_cache, **arrays, decode_query_len=2, return_lse=True,
+                                         impl="kernel")
+
+        fn = jax.jit(jax.vmap(decode, in_axes=(None, 0)))
+        hlo = fn.lower(cache, stacked).compile().as_text()
+        assert hlo.count('custom_call_target="jax_msa_decode"') == 1, "the layers must fold into one call"
+        out, lse = fn(cache, stacked)
+        for i, case in enumerate(layers):
+            check_outputs(dict(case, kv_cache=cache), out[i], lse[i])
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")

@@ -271,12 +271,38 @@ def test_traced_scales_are_operands_of_the_custom_call(target):
         assert len(users) == 1 and f'custom_call_target="{target}"' in users[0], (name, users)
 
 
-def test_a_scale_that_is_not_a_scalar_is_refused_by_the_handler():
-    """The handlers check each scale operand's size (bindings.h check_scalar); the public ops refuse such a scale at
-    trace time already, so the custom call is reached here directly."""
-    cache, k, v, slots = _write_kv_args(574)
-    cache = jax_msa.allocate_cache(jax_msa.KVFormat.FP8, cache.shape[0], cache.shape[1], k.shape[-1])
+@pytest.mark.parametrize("case", ["mismatched_entries", "entries_not_dividing_tokens", "matrix",
+                                  "entries_not_dividing_requests", "prefill_vector"])
+def test_scales_of_a_bad_shape_are_refused_by_the_handler(case):
+    """The handlers check the scale operands (bindings.h): decode and write_kv take scalars or [L] vectors (jax.vmap's
+    fold of per-layer scales), the same L for all, dividing the requests / tokens; the prefill takes scalars. The
+    public ops refuse a non-scalar scale at trace time already, so the custom call is reached here directly."""
     one = jnp.ones((), jnp.float32)
-    scales = _ffi.Scales(one, jnp.ones((2,), jnp.float32), one)
-    with pytest.raises(Exception, match="k_scale must be an fp32 scalar"):
-        jax.block_until_ready(_ffi.write_kv_call(cache, k, v, slots, scales, kv_format=int(jax_msa.KVFormat.FP8)))
+    fp8 = int(jax_msa.KVFormat.FP8)
+    if case in ("entries_not_dividing_requests", "prefill_vector"):
+        cache_fn = cache_maker(jax_msa.KVFormat.FP8, 0.5, 0.25)
+        if case == "prefill_vector":
+            p = make_problem(575, q_lens=[6, 3], seq_lens=[200, 3], cache_from_kv=cache_fn, **M3_SHAPES)
+            plan = jax_msa.build_prefill_plan(p.topk, p.cu_seqlens_q, p.seq_lens, max_blocks=p.block_table.shape[1])
+            two = jnp.ones((2,), jnp.float32)
+            with pytest.raises(Exception, match="k_scale must be an fp32 scalar"):
+                jax.block_until_ready(_ffi.prefill_call(p.q, p.kv_cache, _ffi.Scales(one, two, one), p.cu_seqlens_q,
+                                                        p.seq_lens, p.block_table, plan, softmax_scale=0.1,
+                                                        kv_format=fp8))
+            return
+        p = make_decode_problem(576, seq_lens=[200, 3], cache_from_kv=cache_fn, **M3_SHAPES)  # 2 requests
+        three = jnp.ones((3,), jnp.float32)
+        with pytest.raises(Exception, match="must divide the number of requests"):
+            jax.block_until_ready(_ffi.decode_call(p.q, p.kv_cache, _ffi.Scales(three, three, three), p.topk,
+                                                   p.seq_lens, p.block_table, softmax_scale=0.1, kv_format=fp8,
+                                                   decode_query_len=1, workspace=_ffi.DecodeWorkspace(1)))
+        return
+    cache, k, v, slots = _write_kv_args(574)  # 10 tokens
+    cache = jax_msa.allocate_cache(jax_msa.KVFormat.FP8, cache.shape[0], cache.shape[1], k.shape[-1])
+    scales, message = {
+        "mismatched_entries": ((jnp.ones((2,), jnp.float32), one), "the same number of entries"),
+        "entries_not_dividing_tokens": ((jnp.ones((3,), jnp.float32),) * 2, "must divide the number of tokens"),
+        "matrix": ((jnp.ones((5, 2), jnp.float32),) * 2, "k_scale must be an fp32 scalar or vector"),
+    }[case]
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(_ffi.write_kv_call(cache, k, v, slots, _ffi.Scales(one, *scales), kv_format=fp8))

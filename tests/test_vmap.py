@@ -2,7 +2,7 @@
 
 The reference for every case is a Python loop calling the same op (impl="kernel") on each slice: vmap
 must be bit-identical to it. decode and write_kv fold the vmapped axis into one custom call
-(jax_msa/_batching.py); batched scales and prefill run one call per element.
+(jax_msa/_batching.py), per-layer scales included (folded into [L] vectors); prefill runs one call per element.
 """
 
 from __future__ import annotations
@@ -94,6 +94,38 @@ def test_nested_vmap_decode_matches_loop():
     assert_bitwise_equal(got, want)
 
 
+def _fp8_query_decode(q, q_scale, kv_cache, topk, seq_lens, block_table, k_scale, v_scale):
+    return jax_msa.sparse_decode(q.astype(jnp.float8_e4m3fn), kv_cache, topk, seq_lens=seq_lens,
+                                 block_table=block_table, return_lse=True, impl="kernel", q_scale=q_scale,
+                                 k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("inner_scales", ["per_element", "shared"])
+def test_nested_vmap_decode_with_per_layer_scales_matches_loop(inner_scales):
+    """vmap(vmap(decode)) over [2, 3] stacks of FP8 caches with an e4m3 query: the outer axis' scales always differ;
+    the inner axis' differ too ([2, 3] scales: the inner fold makes [3] vectors, the outer [6]) or are shared ([2]:
+    the inner fold keeps scalars, the outer makes [2] vectors read by 3 layers' requests each). One custom call,
+    bit-identical to the loop over the 6 layers."""
+    rng = np.random.default_rng(6350)
+    layers = _layer_decode_problems(6350)
+    pages = layers[0][1].shape[0]
+    q, _, topk, sl, bt = _stack(layers)
+    caches = jnp.stack([_quantized_cache(KVFormat.FP8, rng, pages, 2, 64, s) for s in (0.5, 1.0, 2.0)])
+    q_scales = jnp.asarray([[0.25, 0.5, 1.0], [2.0, 0.125, 4.0]], jnp.float32)
+    k_scales, v_scales = 2 * q_scales[:, ::-1], q_scales + 1
+    if inner_scales == "shared":
+        q_scales, k_scales, v_scales = q_scales[:, 0], k_scales[:, 0], v_scales[:, 0]
+    scale_axis = 0 if inner_scales == "per_element" else None
+    inner_axes = (0, scale_axis, 0, 0, 0, 0, scale_axis, scale_axis)
+    fn = jax.vmap(jax.vmap(_fp8_query_decode, in_axes=inner_axes))
+    args = (jnp.stack([q, q[:, ::-1]]), q_scales, jnp.stack([caches, caches[::-1]]),
+            *(jnp.stack([a, a]) for a in (topk, sl, bt)), k_scales, v_scales)
+    got = jax.jit(fn)(*args)
+    want = _stack([_loop(jax.jit(_fp8_query_decode), [a[i] for a in args], inner_axes) for i in range(2)])
+    assert_bitwise_equal(got, want)
+    assert _custom_calls_and_loops(fn, args) == (1, False)
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def _fill_cache(fmt, k, v, k_scale):
     """A cache of format fmt whose every token holds k, v (quantized with k_scale, 2 * k_scale)."""
@@ -110,7 +142,7 @@ def _quantized_cache(fmt, rng, pages, hkv, d, k_scale):
 
 
 @pytest.mark.parametrize("fmt", [KVFormat.FP8, KVFormat.NVFP4])
-def test_vmap_decode_with_per_layer_scales_runs_sequentially_and_matches_loop(fmt):
+def test_vmap_decode_with_per_layer_scales_is_one_call_and_matches_loop(fmt):
     rng = np.random.default_rng(6300 + int(fmt))
     layers = _layer_decode_problems(6300)
     pages = layers[0][1].shape[0]
@@ -121,7 +153,12 @@ def test_vmap_decode_with_per_layer_scales_runs_sequentially_and_matches_loop(fm
     got = jax.jit(jax.vmap(_decode))(*args)
     want = _loop(jax.jit(_decode), args, (0,) * 7)
     assert_bitwise_equal(got, want)
-    assert _custom_calls_and_loops(jax.vmap(_decode), args) == (1, True)  # one call per layer
+    # one call: the scales become [3] vectors, request l * B + b reading entry l (bindings.h group_scales)
+    assert _custom_calls_and_loops(jax.vmap(_decode), args) == (1, False)
+    # per-layer K scales with one shared V scale (broadcast to the layers)
+    mixed, axes = (q, caches, topk, sl, bt, scales, scales[2]), (0, 0, 0, 0, 0, 0, None)
+    assert_bitwise_equal(jax.jit(jax.vmap(_decode, in_axes=axes))(*mixed), _loop(jax.jit(_decode), mixed, axes))
+    assert _custom_calls_and_loops(jax.vmap(_decode, in_axes=axes), mixed) == (1, False)
     # Shared scales over stacked quantized caches fold into one call.
     shared = (q, caches, topk, sl, bt, scales[1], scales[1])
     axes = (0, 0, 0, 0, 0, None, None)
@@ -191,9 +228,28 @@ def test_vmap_write_kv_nvfp4_with_shared_and_per_layer_scales():
     _, k, v, slots = _stack([_write_args(6500 + i) for i in range(LAYERS)])
     scales = jnp.asarray([0.25, 1.0, 3.0], jnp.float32)
     for args, axes in (((caches, k, v, slots, scales, scales), (0,) * 6),
-                       ((caches, k, v, slots, scales[2], scales[0]), (0, 0, 0, 0, None, None))):
+                       ((caches, k, v, slots, scales[2], scales[0]), (0, 0, 0, 0, None, None)),
+                       ((caches, k, v, slots, scales[::-1], scales[1]), (0, 0, 0, 0, 0, None))):
         got = jax.jit(jax.vmap(_write, in_axes=axes))(*args)
         assert_bitwise_equal(got, _loop(jax.jit(_write), args, axes))
+        # one call, per-layer scales too (token l * N + n reads entry l: bindings.h group_scales)
+        assert _custom_calls_and_loops(jax.vmap(_write, in_axes=axes), args) == (1, False)
+
+
+def test_nested_vmap_write_kv_fp8_with_per_layer_scales():
+    """vmap(vmap(write_kv)) over [2, 3] FP8 caches, scales per element on both axes or shared on the inner one."""
+    rng = np.random.default_rng(6550)
+    caches = jnp.stack([_quantized_cache(KVFormat.FP8, rng, 3, 2, 64, 1.0) for _ in range(2 * LAYERS)])
+    _, k, v, slots = _stack([_write_args(6550 + i) for i in range(2 * LAYERS)])
+    args = [x.reshape(2, LAYERS, *x.shape[1:]) for x in (caches, k, v, slots)]
+    ks = jnp.asarray([[0.25, 1.0, 3.0], [0.5, 2.0, 0.125]], jnp.float32)
+    for scales, scale_axis in (((ks, ks[:, ::-1]), 0), ((ks[:, 0], ks[:, 2]), None)):
+        axes = (0, 0, 0, 0, scale_axis, scale_axis)
+        fn = jax.vmap(jax.vmap(_write, in_axes=axes))
+        all_args = (*args, *scales)
+        want = _stack([_loop(jax.jit(_write), [a[i] for a in all_args], axes) for i in range(2)])
+        assert_bitwise_equal(jax.jit(fn)(*all_args), want)
+        assert _custom_calls_and_loops(fn, all_args) == (1, False)
 
 
 # ---------------------------------------------------------------------------------------------------------

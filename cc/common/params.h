@@ -3,7 +3,8 @@
 // handlers (cc/cpu) and the CUDA kernels (cc/cuda, cc/sm80) alike.
 //
 // Notation: T = total_q, Hq = query heads, Hkv = KV heads, G = Hq / Hkv, D = head_dim, K = top-k,
-// B = requests, MB = max_blocks (block_table width), P = pages, R = B * MB (plan rows).
+// B = requests, MB = max_blocks (block_table width), P = pages, R = B * MB (plan rows), S = split-K splits,
+// L = entries of a scale (1: a scalar; more when jax.vmap folds per-layer scales into one call).
 #pragma once
 #include <cstdint>
 
@@ -51,9 +52,11 @@ struct DecodeParams {
   // ---- inputs
   const void* q;                    // [B * QL, Hq, D] bf16 bits, or e4m3 when q_is_fp8
   const void* kv_cache;             // see kv_format.h
-  const float* q_scale;             // [] fp32, read only when q_is_fp8
-  const float* k_scale;             // [] fp32: K = stored value * k_scale (FP8 / NVFP4 caches; unread for bf16)
-  const float* v_scale;             // [] fp32: V = stored value * v_scale (likewise)
+  // The scales, [L] fp32 each (L = 1: one scalar for the call): request b reads entry b / requests_per_scale.
+  // L > 1 comes from jax.vmap's fold of per-layer scales (jax_msa/_batching.py): L layers of B / L requests each.
+  const float* q_scale;             // [L] fp32, read only when q_is_fp8
+  const float* k_scale;             // [L] fp32: K = stored value * k_scale (FP8 / NVFP4 caches; unread for bf16)
+  const float* v_scale;             // [L] fp32: V = stored value * v_scale (likewise)
   const int32_t* topk_ids;          // [Hkv, B * QL, K] request-local block ids, -1 = hole
   const int32_t* seq_lens;          // [B]
   const int32_t* block_table;       // [B, MB]
@@ -64,6 +67,7 @@ struct DecodeParams {
   float* partial_lse;               // [S, B * QL, Hq]
   // ---- sizes
   int batch, q_len, num_q_heads, num_kv_heads, head_dim, topk, max_blocks, num_splits;
+  int requests_per_scale;           // B / L (>= 1)
   int64_t num_pages;
   float softmax_scale;
   KvFormat kv_format;
@@ -75,9 +79,12 @@ struct WriteKvParams {
   const uint16_t* k;                // [N, Hkv, D] bf16 bits
   const uint16_t* v;                // [N, Hkv, D] bf16 bits
   const int32_t* slot_mapping;      // [N] page * 128 + offset; negative or beyond the cache = skip
-  const float* k_scale;             // [] fp32: stored value = k / k_scale (FP8; NVFP4's global scale; unread for bf16)
-  const float* v_scale;             // [] fp32: likewise for v
+  // [L] fp32 each (L = 1: one scalar; L > 1 from jax.vmap's fold of per-layer scales): token n reads entry
+  // n / tokens_per_scale
+  const float* k_scale;             // [L] fp32: stored value = k / k_scale (FP8; NVFP4's global scale; unread for bf16)
+  const float* v_scale;             // [L] fp32: likewise for v
   int num_tokens, num_kv_heads, head_dim;
+  int tokens_per_scale;             // N / L (>= 1)
   int64_t num_pages;
   KvFormat kv_format;
 };

@@ -12,12 +12,13 @@ namespace jax_msa::cpu {
 void decode(const DecodeParams& p) {
   const int D = p.head_dim, Hkv = p.num_kv_heads, G = p.num_q_heads / p.num_kv_heads, K = p.topk;
   const KvPageReader reader{p.kv_cache, p.kv_format, Hkv, D};
-  const float q_scale = *p.q_scale, k_scale = *p.k_scale, v_scale = *p.v_scale;
   const int64_t tokens = int64_t(p.batch) * p.q_len;
 
   parallel_for(tokens * Hkv, 1, [&](int64_t tg) {
     const int t = int(tg / Hkv), g = int(tg % Hkv);
     const int b = t / p.q_len;
+    const int scale_entry = b / p.requests_per_scale;  // 0 but under jax.vmap's fold of per-layer scales
+    const float q_scale = p.q_scale[scale_entry], k_scale = p.k_scale[scale_entry], v_scale = p.v_scale[scale_entry];
     const int seq_len = p.seq_lens[b];
     const int pos = seq_len - p.q_len + t % p.q_len;
     const int n_blocks = std::min((seq_len + kPageSize - 1) / kPageSize, p.max_blocks);

@@ -19,11 +19,12 @@ void write_kv(const WriteKvParams& p) {
     const int64_t page = slot / kPageSize;
     const int t = int(slot % kPageSize);
     const uint16_t* src[2] = {p.k + (n * Hkv + g) * D, p.v + (n * Hkv + g) * D};
+    const float k_scale = p.k_scale[n / p.tokens_per_scale], v_scale = p.v_scale[n / p.tokens_per_scale];
     if (p.kv_format == KvFormat::kNvfp4) {
       const Nvfp4Slot geo{D};
       for (int kv = 0; kv < 2; ++kv) {
         uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + geo.slot_offset(page, Hkv, g, kv);
-        const float global = *(kv == 0 ? p.k_scale : p.v_scale);
+        const float global = kv == 0 ? k_scale : v_scale;
         for (int c = 0; c < geo.groups(); ++c) {
           float x[16];
           for (int i = 0; i < 16; ++i) x[i] = bf16_bits_to_float(src[kv][c * 16 + i]);
@@ -41,8 +42,8 @@ void write_kv(const WriteKvParams& p) {
     } else {
       uint8_t* dst = static_cast<uint8_t*>(p.kv_cache) + row;
       for (int d = 0; d < D; ++d) {
-        dst[d] = fp8_quantize(bf16_bits_to_float(src[0][d]), *p.k_scale);
-        dst[D + d] = fp8_quantize(bf16_bits_to_float(src[1][d]), *p.v_scale);
+        dst[d] = fp8_quantize(bf16_bits_to_float(src[0][d]), k_scale);
+        dst[D + d] = fp8_quantize(bf16_bits_to_float(src[1][d]), v_scale);
       }
     }
   });

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvPa
         const int64_t elem = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
         store_words<kVec, 8>(reinterpret_cast<uint8_t*>(static_cast<uint16_t*>(p.kv_cache) + elem), w);
       } else {
-        const float scale = *(kv ? p.v_scale : p.k_scale);
+        const float scale = (kv ? p.v_scale : p.k_scale)[n / p.tokens_per_scale];
         float x[kChunk];
         chunk_to_float(w, x);
         if constexpr (kFormat == KvFormat::kFp8) {

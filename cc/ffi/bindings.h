@@ -5,6 +5,7 @@
 // attribute names here and there must agree.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <utility>
@@ -26,24 +27,42 @@ inline ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidA
 
 inline bool is_fp8(const ffi::AnyBuffer& b) { return b.element_type() == ffi::DataType::F8E4M3FN; }
 
-// The fp32 scales, each a scalar operand of its own: a model's per-layer scales (parameters) then reach the call as
-// they are, where stacking them into one buffer would cost an XLA kernel a call.
+// The fp32 scales, each an operand of its own: a model's per-layer scales (parameters) then reach the call as they
+// are, where stacking them into one buffer would cost an XLA kernel a call.
 struct ScaleBuffers {
   F32Buffer q, k, v;
 };
+
+using NamedScale = std::pair<const F32Buffer*, const char*>;
 
 inline ffi::Error check_scalar(const F32Buffer& b, const char* name) {
   return b.element_count() == 1 ? ffi::Error::Success() : invalid(std::string(name) + " must be an fp32 scalar");
 }
 
+// The prefill's scales: one scalar each.
 template <typename P>
 ffi::Error bind_scales(P& p, const ScaleBuffers& s) {
-  for (auto [buffer, name] : {std::pair<const F32Buffer*, const char*>{&s.q, "q_scale"}, {&s.k, "k_scale"},
-                              {&s.v, "v_scale"}})
+  for (auto [buffer, name] : {NamedScale{&s.q, "q_scale"}, NamedScale{&s.k, "k_scale"}, NamedScale{&s.v, "v_scale"}})
     if (auto e = check_scalar(*buffer, name); e.failure()) return e;
   p.q_scale = s.q.typed_data();
   p.k_scale = s.k.typed_data();
   p.v_scale = s.v.typed_data();
+  return ffi::Error::Success();
+}
+
+// The decode's and write_kv's scales: each a scalar or [L], the same L for all, L dividing the call's `items`
+// (decode: requests, write_kv: tokens); item i reads entry i / (items / L). jax.vmap's fold of per-layer scales
+// (jax_msa/_batching.py) stacks L layers of items / L each into one call.
+inline ffi::Error group_scales(std::initializer_list<NamedScale> scales, int64_t items, const char* item_name,
+                               int& items_per_scale) {
+  const int64_t n = scales.begin()->first->element_count();
+  for (auto [buffer, name] : scales) {
+    if (buffer->dimensions().size() > 1) return invalid(std::string(name) + " must be an fp32 scalar or vector");
+    if (buffer->element_count() != n) return invalid("the scales must have the same number of entries");
+  }
+  if (n < 1 || items % n != 0)
+    return invalid("the scales' number of entries must divide the number of " + std::string(item_name));
+  items_per_scale = items > 0 ? int(items / n) : 1;
   return ffi::Error::Success();
 }
 
@@ -201,8 +220,8 @@ inline ffi::Error make_prefill_params(
 }
 
 // ---- decode -------------------------------------------------------------------------------------------
-// args: q[B*QL,Hq,D], kv_cache, q_scale[], k_scale[], v_scale[] (fp32), topk[Hkv,B*QL,K], seq_lens[B],
-//       block_table[B,MB]
+// args: q[B*QL,Hq,D], kv_cache, q_scale[L], k_scale[L], v_scale[L] (fp32; L divides B; scalars: L = 1),
+//       topk[Hkv,B*QL,K], seq_lens[B], block_table[B,MB]
 // rets: out[B*QL,Hq,D] bf16, lse[B*QL,Hq] f32, partial_o[S,B*QL,Hq,D] f32, partial_lse[S,B*QL,Hq] f32
 // attrs: softmax_scale (f32), kv_format (i32), decode_query_len (i32)
 template <typename B>
@@ -248,7 +267,13 @@ inline ffi::Error make_decode_params(DecodeParams& p, ffi::AnyBuffer q, ffi::Any
     return invalid("decode split workspaces must be [S, B*QL, Hq(, D)]");
   if (out->element_count() != rows * p.head_dim || lse->element_count() != rows)
     return invalid("out / lse must be [B*QL, Hq, D] / [B*QL, Hq]");
-  if (auto e = bind_scales(p, scales); e.failure()) return e;
+  if (auto e = group_scales({{&scales.q, "q_scale"}, {&scales.k, "k_scale"}, {&scales.v, "v_scale"}}, p.batch,
+                            "requests", p.requests_per_scale);
+      e.failure())
+    return e;
+  p.q_scale = scales.q.typed_data();
+  p.k_scale = scales.k.typed_data();
+  p.v_scale = scales.v.typed_data();
   p.topk_ids = topk.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.block_table = block_table.typed_data();
@@ -261,8 +286,8 @@ inline ffi::Error make_decode_params(DecodeParams& p, ffi::AnyBuffer q, ffi::Any
 }
 
 // ---- write_kv -----------------------------------------------------------------------------------------
-// args: kv_cache (aliased to ret 0), k[N,Hkv,D] bf16, v[N,Hkv,D] bf16, slot_mapping[N] i32, k_scale[], v_scale[]
-//       (fp32)
+// args: kv_cache (aliased to ret 0), k[N,Hkv,D] bf16, v[N,Hkv,D] bf16, slot_mapping[N] i32, k_scale[L], v_scale[L]
+//       (fp32; L divides N; scalars: L = 1)
 // rets: kv_cache
 // attrs: kv_format (i32)
 template <typename B>
@@ -279,16 +304,13 @@ auto write_kv_signature(B b) {
 
 // Both handlers trust every extent they index, so the buffers are checked against each other here.
 inline ffi::Error check_write_kv_buffers(const jax_msa::WriteKvParams& p, const ffi::AnyBuffer& cache,
-                                  const ffi::Buffer<ffi::BF16>& v, const I32Buffer& slot_mapping,
-                                  const F32Buffer& k_scale, const F32Buffer& v_scale) {
+                                  const ffi::Buffer<ffi::BF16>& v, const I32Buffer& slot_mapping) {
   using jax_msa::KvFormat;
   const int64_t N = p.num_tokens, Hkv = p.num_kv_heads, D = p.head_dim;
   if (v.dimensions().size() != 3 || v.dimensions()[0] != N || v.dimensions()[1] != Hkv || v.dimensions()[2] != D)
     return invalid("v must have k's shape [N, Hkv, D]");
   if (slot_mapping.dimensions().size() != 1 || slot_mapping.dimensions()[0] != N)
     return invalid("slot_mapping must be [N]");
-  if (auto e = check_scalar(k_scale, "k_scale"); e.failure()) return e;
-  if (auto e = check_scalar(v_scale, "v_scale"); e.failure()) return e;
   if (Hkv <= 0 || D <= 0) return invalid("write_kv needs Hkv > 0 and head_dim > 0");
   // [pages..., heads, 128, bytes]: dimension i of the page's [heads, 128, bytes]
   const auto page_dim = [&](int i) { return dim(cache, rank(cache) - 3 + i); };
@@ -339,7 +361,10 @@ inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in
   for (int i = 0; i + 3 < rank(cache_in); ++i) p.num_pages *= dim(cache_in, i);
   p.kv_format = KvFormat(kv_format);
   if (kv_format < 0 || kv_format > 2) return invalid("unknown kv_format");
-  return check_write_kv_buffers(p, cache_in, v, slot_mapping, k_scale, v_scale);
+  if (auto e = group_scales({{&k_scale, "k_scale"}, {&v_scale, "v_scale"}}, p.num_tokens, "tokens", p.tokens_per_scale);
+      e.failure())
+    return e;
+  return check_write_kv_buffers(p, cache_in, v, slot_mapping);
 }
 
 }  // namespace jax_msa::ffi_bind

@@ -16,9 +16,10 @@ nanobind::capsule capsule(Fn* fn) {
 }
 
 // The version of the custom calls' operand lists (cc/ffi/bindings.h), raised whenever one changes; jax_msa/_ffi.py
-// builds the calls for FFI_SIGNATURES of the same value. 2: the scales as scalar operands of their own (2026-12-06;
-// 1, implicit: one [3] buffer).
-inline constexpr int kFfiSignatures = 2;
+// builds the calls for FFI_SIGNATURES of the same value. 3: the decode's and write_kv's scales may be [L] vectors,
+// entry l for the l-th of L equal slices of the requests / tokens (jax.vmap's fold of per-layer scales; 2026-12-06).
+// 2: the scales as scalar operands of their own (2026-12-06). 1, implicit: one [3] buffer.
+inline constexpr int kFfiSignatures = 3;
 
 // The XLA FFI API version these handlers were compiled against and their operand lists' version; the import-time
 // guard in jax_msa/_ffi.py compares them with the running jaxlib's and its own before anything is registered.

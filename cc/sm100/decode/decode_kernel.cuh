@@ -134,9 +134,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
 
   // ---- 3. exact softmax over the split's keys (log2 units): thread = key lane of every block
   const bool quantized = F != KvFormat::kBf16;
-  const float q_scale = p.q_is_fp8 ? *p.q_scale : 1.0f;
-  const float k_scale = quantized ? *p.k_scale : 1.0f;
-  const float v_scale = quantized ? *p.v_scale : 1.0f;
+  const int scale_entry = b / p.requests_per_scale;  // 0 but under jax.vmap's fold of per-layer scales
+  const float q_scale = p.q_is_fp8 ? p.q_scale[scale_entry] : 1.0f;
+  const float k_scale = quantized ? p.k_scale[scale_entry] : 1.0f;
+  const float v_scale = quantized ? p.v_scale[scale_entry] : 1.0f;
   const float scale_log2 = p.softmax_scale * q_scale * k_scale * kLog2e;
   const uint32_t lane_addr = tmem + (uint32_t(warp * 32) << 16);
   float m[kHeads], l[kHeads];

@@ -93,11 +93,12 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
   // scales: q_scale and k_scale fold into the softmax scale (log2 units), v_scale into the output; loaded here so
   // that their round trip overlaps the others
   const bool quantized = F != KvFormat::kBf16;
-  const float q_scale = p.q_is_fp8 ? *p.q_scale : 1.0f;
+  const int scale_entry = b / p.requests_per_scale;  // 0 but under jax.vmap's fold of per-layer scales
+  const float q_scale = p.q_is_fp8 ? p.q_scale[scale_entry] : 1.0f;
   // the register path's K and V values are the cache's times kRegisterValueFactor (NVFP4: 2^-7)
   constexpr float kUnscale = 1.0f / ChunkIO<F>::kRegisterValueFactor;
-  const float k_scale = quantized ? *p.k_scale * kUnscale : 1.0f;
-  const float v_scale = quantized ? *p.v_scale * kUnscale : 1.0f;
+  const float k_scale = quantized ? p.k_scale[scale_entry] * kUnscale : 1.0f;
+  const float v_scale = quantized ? p.v_scale[scale_entry] * kUnscale : 1.0f;
 
   // ---- 2. the valid, deduplicated blocks of (t, g): one warp ballot; this split's share; its chunks (each team's
   //         warp 0 builds its team's table, in parallel)
