@@ -298,7 +298,8 @@ def test_decode_fp8_query(fmt):
 def test_decode_vmapped_over_layers_with_per_layer_scales(fmt, q_fp8):
     """jit(vmap(sparse_decode)) over 3 layers that share the cache, each with its own k_scale / v_scale (and q_scale
     for an e4m3 query): one custom call, the layers folded into its batch and the scales into [3] vectors that each
-    request indexes (jax_msa/_batching.py, bindings.h group_scales); every layer against its own oracle. Batches of 5
+    request indexes (jax_msa/_batching.py, bindings.h group_scales); every layer against its own oracle and bit for
+    bit against a call of its own. Batches of 5
     and 44 requests a layer x q_len 2 (the split rule picks num_splits from one layer's batch; the fold keeps it)."""
     scales = ((0.5, 2.0, 0.05), (1.0, 1.0, 0.03), (3.0, 0.25, 0.08))  # (k_scale, v_scale, q_scale) per layer
     for batch in (5, 44):
@@ -319,11 +320,17 @@ def test_decode_vmapped_over_layers_with_per_layer_scales(fmt, q_fp8):
                                          impl="kernel")
 
         fn = jax.jit(jax.vmap(decode, in_axes=(None, 0)))
-        hlo = fn.lower(cache, stacked).compile().as_text()
-        assert hlo.count('custom_call_target="jax_msa_decode"') == 1, "the layers must fold into one call"
+        lowered = fn.lower(cache, stacked)
+        # one call and no loop (the per-layer fallback is a while loop around one call)
+        assert lowered.compile().as_text().count('custom_call_target="jax_msa_decode"') == 1
+        assert "stablehlo.while" not in lowered.as_text(), "the layers must fold into one call, not a loop"
         out, lse = fn(cache, stacked)
+        one_layer = jax.jit(decode)
         for i, case in enumerate(layers):
             check_outputs(dict(case, kv_cache=cache), out[i], lse[i])
+            # the fold keeps the unbatched call's split factor: each layer's bits as in a call of its own
+            want = one_layer(cache, {k: v[i] for k, v in stacked.items()})
+            assert_bitwise_equal((out[i], lse[i]), want)
 
 
 @pytest.mark.skipif(not _gpu() or not jax_msa.cuda_available(), reason="needs a CUDA GPU and the CUDA build")

@@ -255,10 +255,10 @@ def test_cuda_write_kv_vmapped_over_a_donated_stack(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS[1:], ids=lambda f: f.name.lower())
 def test_cuda_write_kv_vmapped_with_per_layer_scales(fmt):
-    """jit(vmap(write_kv)) over layers that each have their own k_scale / v_scale (and vmap(vmap(...)), the inner
-    axis' scales shared or not): one custom call, the scales folded into a vector that each token indexes
-    (jax_msa/_batching.py, bindings.h group_scales), byte for byte the jnp writer's layer by layer with that layer's
-    scales."""
+    """jit(vmap(write_kv)) over layers that each have their own k_scale / v_scale (and vmap(vmap(...)), the scales
+    per element on both axes, shared on the inner one or on the outer one): one custom call, no loop, the scales folded
+    into a vector that each token indexes (jax_msa/_batching.py, bindings.h group_scales), byte for byte the jnp
+    writer's layer by layer with that layer's scales."""
     layers, pages, hkv, d = 6, 4, 4, 128
     probs = [_problem(fmt, d, hkv, seed=700 + 10 * int(fmt) + i, pages=pages) for i in range(layers)]
     k_scales = np.float32(probs[0][4]) * np.float32([0.25, 0.5, 1.0, 2.0, 4.0, 8.0])
@@ -269,19 +269,26 @@ def test_cuda_write_kv_vmapped_with_per_layer_scales(fmt):
         return jax_msa.write_kv(cache, k, v, slots, k_scale=k_scale, v_scale=v_scale, impl="kernel")
 
     inner_shared = jax.vmap(jax.vmap(write, in_axes=(0, 0, 0, 0, None, None)))
+    outer_shared = jax.vmap(jax.vmap(write), in_axes=(0, 0, 0, 0, None, None))
     # (function, leading axes, the scale arguments, each layer's scales)
     cases = ((jax.vmap(write), (layers,), (k_scales, v_scales), (k_scales, v_scales)),
              (jax.vmap(jax.vmap(write)), (2, 3), (k_scales.reshape(2, 3), v_scales.reshape(2, 3)),
               (k_scales, v_scales)),
              (inner_shared, (2, 3), (k_scales[[0, 3]], v_scales[[0, 3]]),
-              (np.repeat(k_scales[[0, 3]], 3), np.repeat(v_scales[[0, 3]], 3))))
+              (np.repeat(k_scales[[0, 3]], 3), np.repeat(v_scales[[0, 3]], 3))),
+             # the inner axis' [3] vectors shared by the outer axis: the outer fold broadcasts them to [6]
+             (outer_shared, (2, 3), (k_scales[:3], v_scales[:3]),
+              (np.tile(k_scales[:3], 2), np.tile(v_scales[:3], 2))))
     gpu = _gpu()
     for fn, lead, scale_args, (layer_ks, layer_vs) in cases:
         want = np.stack([_expected_on_cpu(c, k, v, s, float(ks), float(vs))
                          for (c, k, v, s, _, _), ks, vs in zip(probs, layer_ks, layer_vs)])
         args = [jax.device_put(jnp.asarray(x.reshape(*lead, *x.shape[1:])), gpu) for x in stacked]
         args += [jax.device_put(jnp.asarray(x), gpu) for x in scale_args]
-        compiled = jax.jit(fn).lower(*args).compile()
+        lowered = jax.jit(fn).lower(*args)
+        compiled = lowered.compile()
+        # one call and no loop (the per-layer fallback is a while loop around one call)
         assert compiled.as_text().count('custom_call_target="jax_msa_write_kv"') == 1
+        assert "stablehlo.while" not in lowered.as_text()
         got = _as_bytes(compiled(*args)).reshape(want.shape)
         assert (got == want).all(), _first_mismatch(got, want)

@@ -20,9 +20,9 @@ from jax_msa import KVFormat
 from bitwise import assert_bitwise_equal, bits
 from problems import PAGE, make_decode_problem, make_problem
 
-# The CPU handlers: head_dim 64 (the CUDA attention kernels take 128) and bit-identity with per-layer calls (the CUDA
-# decode picks its split count from the folded batch, so a folded call may round differently there). The stacked
-# write on the GPU: tests/test_gpu_write_kv.py.
+# The CPU handlers: head_dim 64 (the CUDA attention kernels take 128) and bit-identity with per-layer calls. On the GPU
+# (the fold keeps the unbatched call's split factor: ops.sparse_decode picks it before the fold):
+# tests/test_gpu_decode.py test_decode_vmapped_over_layers_with_per_layer_scales, tests/test_gpu_write_kv.py.
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU handler tests (default backend is not CPU)")
 
 LAYERS = 3
@@ -100,12 +100,13 @@ def _fp8_query_decode(q, q_scale, kv_cache, topk, seq_lens, block_table, k_scale
                                  k_scale=k_scale, v_scale=v_scale)
 
 
-@pytest.mark.parametrize("inner_scales", ["per_element", "shared"])
-def test_nested_vmap_decode_with_per_layer_scales_matches_loop(inner_scales):
-    """vmap(vmap(decode)) over [2, 3] stacks of FP8 caches with an e4m3 query: the outer axis' scales always differ;
-    the inner axis' differ too ([2, 3] scales: the inner fold makes [3] vectors, the outer [6]) or are shared ([2]:
-    the inner fold keeps scalars, the outer makes [2] vectors read by 3 layers' requests each). One custom call,
-    bit-identical to the loop over the 6 layers."""
+@pytest.mark.parametrize("scales", ["per_element", "inner_shared", "outer_shared"])
+def test_nested_vmap_decode_with_per_layer_scales_matches_loop(scales):
+    """vmap(vmap(decode)) over [2, 3] stacks of FP8 caches with an e4m3 query. The scales differ on both axes ([2, 3]:
+    the inner fold makes [3] vectors, the outer [6]), only on the outer one ([2]: the inner fold keeps scalars, the
+    outer makes [2] vectors read by 3 layers' requests each) or only on the inner one ([3]: the inner fold's [3]
+    vectors, shared by the outer axis, are broadcast to [6]). One custom call, bit-identical to the loop over the 6
+    layers."""
     rng = np.random.default_rng(6350)
     layers = _layer_decode_problems(6350)
     pages = layers[0][1].shape[0]
@@ -113,15 +114,19 @@ def test_nested_vmap_decode_with_per_layer_scales_matches_loop(inner_scales):
     caches = jnp.stack([_quantized_cache(KVFormat.FP8, rng, pages, 2, 64, s) for s in (0.5, 1.0, 2.0)])
     q_scales = jnp.asarray([[0.25, 0.5, 1.0], [2.0, 0.125, 4.0]], jnp.float32)
     k_scales, v_scales = 2 * q_scales[:, ::-1], q_scales + 1
-    if inner_scales == "shared":
+    inner, outer = {"per_element": (0, 0), "inner_shared": (None, 0), "outer_shared": (0, None)}[scales]
+    if scales == "inner_shared":
         q_scales, k_scales, v_scales = q_scales[:, 0], k_scales[:, 0], v_scales[:, 0]
-    scale_axis = 0 if inner_scales == "per_element" else None
-    inner_axes = (0, scale_axis, 0, 0, 0, 0, scale_axis, scale_axis)
-    fn = jax.vmap(jax.vmap(_fp8_query_decode, in_axes=inner_axes))
+    elif scales == "outer_shared":
+        q_scales, k_scales, v_scales = q_scales[1], k_scales[1], v_scales[1]
+    inner_axes = (0, inner, 0, 0, 0, 0, inner, inner)
+    outer_axes = (0, outer, 0, 0, 0, 0, outer, outer)
+    fn = jax.vmap(jax.vmap(_fp8_query_decode, in_axes=inner_axes), in_axes=outer_axes)
     args = (jnp.stack([q, q[:, ::-1]]), q_scales, jnp.stack([caches, caches[::-1]]),
             *(jnp.stack([a, a]) for a in (topk, sl, bt)), k_scales, v_scales)
     got = jax.jit(fn)(*args)
-    want = _stack([_loop(jax.jit(_fp8_query_decode), [a[i] for a in args], inner_axes) for i in range(2)])
+    want = _stack([_loop(jax.jit(_fp8_query_decode), [a if ax is None else a[i] for a, ax in zip(args, outer_axes)],
+                         inner_axes) for i in range(2)])
     assert_bitwise_equal(got, want)
     assert _custom_calls_and_loops(fn, args) == (1, False)
 
@@ -142,28 +147,30 @@ def _quantized_cache(fmt, rng, pages, hkv, d, k_scale):
 
 
 @pytest.mark.parametrize("fmt", [KVFormat.FP8, KVFormat.NVFP4])
-def test_vmap_decode_with_per_layer_scales_is_one_call_and_matches_loop(fmt):
+@pytest.mark.parametrize("decode_query_len", [1, 2])
+def test_vmap_decode_with_per_layer_scales_is_one_call_and_matches_loop(fmt, decode_query_len):
     rng = np.random.default_rng(6300 + int(fmt))
-    layers = _layer_decode_problems(6300)
+    layers = _layer_decode_problems(6300, decode_query_len=decode_query_len)
     pages = layers[0][1].shape[0]
     scales = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
     caches = jnp.stack([_quantized_cache(fmt, rng, pages, 2, 64, s) for s in np.asarray(scales)])
     q, _, topk, sl, bt = _stack(layers)
+    dec = functools.partial(_decode, decode_query_len=decode_query_len)
     args = (q, caches, topk, sl, bt, scales, 2 * scales)
-    got = jax.jit(jax.vmap(_decode))(*args)
-    want = _loop(jax.jit(_decode), args, (0,) * 7)
+    got = jax.jit(jax.vmap(dec))(*args)
+    want = _loop(jax.jit(dec), args, (0,) * 7)
     assert_bitwise_equal(got, want)
     # one call: the scales become [3] vectors, request l * B + b reading entry l (bindings.h group_scales)
-    assert _custom_calls_and_loops(jax.vmap(_decode), args) == (1, False)
+    assert _custom_calls_and_loops(jax.vmap(dec), args) == (1, False)
     # per-layer K scales with one shared V scale (broadcast to the layers)
     mixed, axes = (q, caches, topk, sl, bt, scales, scales[2]), (0, 0, 0, 0, 0, 0, None)
-    assert_bitwise_equal(jax.jit(jax.vmap(_decode, in_axes=axes))(*mixed), _loop(jax.jit(_decode), mixed, axes))
-    assert _custom_calls_and_loops(jax.vmap(_decode, in_axes=axes), mixed) == (1, False)
+    assert_bitwise_equal(jax.jit(jax.vmap(dec, in_axes=axes))(*mixed), _loop(jax.jit(dec), mixed, axes))
+    assert _custom_calls_and_loops(jax.vmap(dec, in_axes=axes), mixed) == (1, False)
     # Shared scales over stacked quantized caches fold into one call.
     shared = (q, caches, topk, sl, bt, scales[1], scales[1])
     axes = (0, 0, 0, 0, 0, None, None)
-    assert_bitwise_equal(jax.jit(jax.vmap(_decode, in_axes=axes))(*shared), _loop(jax.jit(_decode), shared, axes))
-    assert _custom_calls_and_loops(jax.vmap(_decode, in_axes=axes), shared) == (1, False)
+    assert_bitwise_equal(jax.jit(jax.vmap(dec, in_axes=axes))(*shared), _loop(jax.jit(dec), shared, axes))
+    assert _custom_calls_and_loops(jax.vmap(dec, in_axes=axes), shared) == (1, False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -237,17 +244,20 @@ def test_vmap_write_kv_nvfp4_with_shared_and_per_layer_scales():
 
 
 def test_nested_vmap_write_kv_fp8_with_per_layer_scales():
-    """vmap(vmap(write_kv)) over [2, 3] FP8 caches, scales per element on both axes or shared on the inner one."""
+    """vmap(vmap(write_kv)) over [2, 3] FP8 caches, scales per element on both axes, shared on the inner one or
+    shared on the outer one (the inner fold's [3] vectors broadcast to [6])."""
     rng = np.random.default_rng(6550)
     caches = jnp.stack([_quantized_cache(KVFormat.FP8, rng, 3, 2, 64, 1.0) for _ in range(2 * LAYERS)])
     _, k, v, slots = _stack([_write_args(6550 + i) for i in range(2 * LAYERS)])
     args = [x.reshape(2, LAYERS, *x.shape[1:]) for x in (caches, k, v, slots)]
     ks = jnp.asarray([[0.25, 1.0, 3.0], [0.5, 2.0, 0.125]], jnp.float32)
-    for scales, scale_axis in (((ks, ks[:, ::-1]), 0), ((ks[:, 0], ks[:, 2]), None)):
-        axes = (0, 0, 0, 0, scale_axis, scale_axis)
-        fn = jax.vmap(jax.vmap(_write, in_axes=axes))
+    # (scales, inner axis, outer axis): per element on both axes, shared on the inner, shared on the outer
+    for scales, inner, outer in (((ks, ks[:, ::-1]), 0, 0), ((ks[:, 0], ks[:, 2]), None, 0), ((ks[1], ks[0]), 0, None)):
+        inner_axes, outer_axes = (0, 0, 0, 0, inner, inner), (0, 0, 0, 0, outer, outer)
+        fn = jax.vmap(jax.vmap(_write, in_axes=inner_axes), in_axes=outer_axes)
         all_args = (*args, *scales)
-        want = _stack([_loop(jax.jit(_write), [a[i] for a in all_args], axes) for i in range(2)])
+        want = _stack([_loop(jax.jit(_write), [a if ax is None else a[i] for a, ax in zip(all_args, outer_axes)],
+                             inner_axes) for i in range(2)])
         assert_bitwise_equal(jax.jit(fn)(*all_args), want)
         assert _custom_calls_and_loops(fn, all_args) == (1, False)
 
