@@ -7,12 +7,17 @@ the scales given three ways:
 
   constant  Python floats: folded into the program as constants;
   params    R pairs of traced fp32 scalars, the program's arguments (a model's per-layer parameters);
-  scan      two stacked [R] arrays, the layers run by lax.scan and the scales indexed per step (a scanned model).
+  scan      two stacked [R] arrays, the layers run by lax.scan and the scales indexed per step (a scanned model);
+  vmap      the R layers independent (one query, each layer its own top-k set) under jax.vmap, the scales two [R]
+            arrays: one custom call of R requests since the fold takes per-layer scales (jax_msa/_batching.py), R
+            calls in a loop before;
+  vmap_shared  the same with one shared pair of scales (one call before and after).
 
-It prints the time per call (wall time of the program / R, median and p10-p90 over repeats) and the number of XLA
-fusions in the compiled program (about one kernel each besides jax_msa's: with the scales stacked into one operand,
-one a call). Every program takes the same arguments (keep_unused), so that the constant case does not drop the scales
-it ignores. Run it against two installations to compare how they pass the scales.
+It prints the time per call (wall time of the program / R, median and p10-p90 over repeats; for the vmap rows, per
+layer), the number of XLA fusions in the compiled program (about one kernel each besides jax_msa's: with the scales
+stacked into one operand, one a call) and its while loops (the scan's; a vmap that runs one call a layer). Every
+program takes the same arguments (keep_unused), so that the constant case does not drop the scales it ignores. Run it
+against two installations to compare how they pass the scales.
 
     python examples/bench/bench_scale_operands.py [--layers 64] [--repeats 30] [--fmt FP8 --fmt NVFP4]
     python examples/bench/bench_scale_operands.py --quick    # 8 layers, 5 repeats, FP8 (.ci/gpu_run.sh bench)
@@ -54,10 +59,17 @@ def programs(cache, seq, bt, layers):
             return call(q, t, k, v), None
         return jax.lax.scan(step, q, (jnp.stack(topks), ks, vs))[0]
 
+    def vmap(q, topks, ks, vs):
+        return jax.vmap(lambda t, k, v: call(q, t, k, v))(jnp.stack(topks), ks, vs)
+
+    def vmap_shared(q, topks, ks, vs):
+        return jax.vmap(lambda t: call(q, t, ks[0], vs[0]))(jnp.stack(topks))
+
     ks = 0.5 + 0.01 * jnp.arange(layers, dtype=jnp.float32)
     vs = 0.25 + 0.01 * jnp.arange(layers, dtype=jnp.float32)
     as_list = ([ks[i] for i in range(layers)], [vs[i] for i in range(layers)])
-    return {"constant": (constant, as_list), "params": (params, as_list), "scan": (scan, (ks, vs))}
+    return {"constant": (constant, as_list), "params": (params, as_list), "scan": (scan, (ks, vs)),
+            "vmap": (vmap, (ks, vs)), "vmap_shared": (vmap_shared, (ks, vs))}
 
 
 def fusions(compiled_text: str) -> int:
@@ -76,8 +88,8 @@ def main():
     if args.quick:
         args.layers, args.repeats, args.fmt = 8, 5, args.fmt or ["FP8"]
     print(f"jax_msa {jax_msa.__file__}, {jax.devices()[0].device_kind}")
-    print(f"| format | scales | us a call (p10-p90) | XLA fusions in the program ({args.layers} calls) |")
-    print("|---|---|---|---|")
+    print(f"| format | scales | us a call (p10-p90) | XLA fusions in the program ({args.layers} calls) | while loops |")
+    print("|---|---|---|---|---|")
     for name in args.fmt or ["FP8", "NVFP4"]:
         fmt = KVFormat[name]
         rng = np.random.default_rng(0)
@@ -85,11 +97,12 @@ def main():
                                                pool_pages(fmt, HKV, 1, CONTEXT))
         for how, (fn, (ks, vs)) in programs(cache, seq, bt, args.layers).items():
             jitted = jax.jit(fn, keep_unused=True)
-            n_fusions = fusions(jitted.lower(q, topks, ks, vs).compile().as_text())
+            text = jitted.lower(q, topks, ks, vs).compile().as_text()
+            n_fusions, loops = fusions(text), len(re.findall(r"\bwhile\(", text))
             med, p10, p90 = median_p10_p90(jitted, (q, topks, ks, vs), args.repeats)
             n = args.layers
             print(f"| {name} | {how} | {med / n * 1e6:.2f} ({p10 / n * 1e6:.2f}-{p90 / n * 1e6:.2f}) | "
-                  f"{n_fusions} |", flush=True)
+                  f"{n_fusions} | {loops} |", flush=True)
 
 
 if __name__ == "__main__":
