@@ -32,7 +32,8 @@
 #   bench     every examples/bench/bench_*.py, with --quick unless FULL=1
 #   profile   kernel-only decode timings under Nsight Compute (examples/bench/ncu_decode.py)
 #   compare   the same timings for this tree's modules and for a baseline's (prebuilt_base/_jax_msa_*.so, e.g. the
-#             previous commit's build), one after the other on this machine: decode kernel time (ncu_decode.py,
+#             previous commit's build, run with this tree's Python; or a whole package prebuilt_base/jax_msa/, its
+#             Python with its modules, where FFI_SIGNATURES differs), one after the other on this machine: decode kernel time (ncu_decode.py,
 #             COMPARE_DECODE_CASES; "none": skip) and prefill (bench_prefill.py, COMPARE_PREFILL_ARGS; "none": skip).
 #             Timings are only comparable within one call on one machine, so a change is always measured against its
 #             baseline here.
@@ -275,10 +276,17 @@ stage_compare() {
   shopt -s nullglob
   local base=(prebuilt_base/_jax_msa_*.so)
   shopt -u nullglob
-  (( ${#base[@]} )) || { echo "compare: no prebuilt_base/_jax_msa_*.so to compare against"; return 1; }
   local base_dir="${SCRATCH}/baseline"
   rm -rf "${base_dir}" && mkdir -p "${base_dir}"
-  cp -r "${PACKAGE_PARENT}/jax_msa" "${base_dir}/" && cp -f "${base[@]}" "${base_dir}/jax_msa/"
+  if [[ -f prebuilt_base/jax_msa/__init__.py ]]; then
+    # a whole baseline package, its Python with its modules: needed when the custom calls' operand lists changed
+    # in between (FFI_SIGNATURES), since this tree's Python refuses modules of another version at import
+    cp -r prebuilt_base/jax_msa "${base_dir}/"
+  elif (( ${#base[@]} )); then
+    cp -r "${PACKAGE_PARENT}/jax_msa" "${base_dir}/" && cp -f "${base[@]}" "${base_dir}/jax_msa/"
+  else
+    echo "compare: no prebuilt_base/_jax_msa_*.so or prebuilt_base/jax_msa/ to compare against"; return 1
+  fi
   local decode_cases="${COMPARE_DECODE_CASES:---case 64/4,1,32768,1,BF16 --case 64/4,32,32768,1,BF16 \
 --case 64/4,256,32768,1,BF16 --case 64/4,32,32768,1,FP8 --case 64/4,256,32768,1,FP8 --case 64/4,32,32768,1,NVFP4 \
 --case 64/4,256,32768,1,NVFP4}"
