@@ -299,8 +299,8 @@ def test_decode_vmapped_over_layers_with_per_layer_scales(fmt, q_fp8):
     """jit(vmap(sparse_decode)) over 3 layers that share the cache, each with its own k_scale / v_scale (and q_scale
     for an e4m3 query): one custom call, the layers folded into its batch and the scales into [3] vectors that each
     request indexes (jax_msa/_batching.py, bindings.h group_scales); every layer against its own oracle and bit for
-    bit against a call of its own. Batches of 5
-    and 44 requests a layer x q_len 2 (the split rule picks num_splits from one layer's batch; the fold keeps it)."""
+    bit against a call of its own. Batches of 5 and 44 requests a layer x q_len 2 (the split rule picks num_splits from
+    one layer's batch; the fold keeps it)."""
     scales = ((0.5, 2.0, 0.05), (1.0, 1.0, 0.03), (3.0, 0.25, 0.08))  # (k_scale, v_scale, q_scale) per layer
     for batch in (5, 44):
         layers = []
