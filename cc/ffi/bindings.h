@@ -4,8 +4,8 @@
 // Python side: jax_msa/_ffi.py is the only module that builds these calls; argument order, dtypes and
 // attribute names here and there must agree.
 #pragma once
+#include <array>
 #include <cstdint>
-#include <initializer_list>
 #include <optional>
 #include <string>
 #include <utility>
@@ -27,13 +27,22 @@ inline ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidA
 
 inline bool is_fp8(const ffi::AnyBuffer& b) { return b.element_type() == ffi::DataType::F8E4M3FN; }
 
+using NamedScale = std::pair<const F32Buffer*, const char*>;
+
 // The fp32 scales, each an operand of its own: a model's per-layer scales (parameters) then reach the call as they
 // are, where stacking them into one buffer would cost an XLA kernel a call.
 struct ScaleBuffers {
   F32Buffer q, k, v;
-};
 
-using NamedScale = std::pair<const F32Buffer*, const char*>;
+  std::array<NamedScale, 3> named() const { return {{{&q, "q_scale"}, {&k, "k_scale"}, {&v, "v_scale"}}}; }
+
+  template <typename P>
+  void point(P& p) const {
+    p.q_scale = q.typed_data();
+    p.k_scale = k.typed_data();
+    p.v_scale = v.typed_data();
+  }
+};
 
 inline ffi::Error check_scalar(const F32Buffer& b, const char* name) {
   return b.element_count() == 1 ? ffi::Error::Success() : invalid(std::string(name) + " must be an fp32 scalar");
@@ -42,19 +51,17 @@ inline ffi::Error check_scalar(const F32Buffer& b, const char* name) {
 // The prefill's scales: one scalar each.
 template <typename P>
 ffi::Error bind_scales(P& p, const ScaleBuffers& s) {
-  for (auto [buffer, name] : {NamedScale{&s.q, "q_scale"}, NamedScale{&s.k, "k_scale"}, NamedScale{&s.v, "v_scale"}})
+  for (auto [buffer, name] : s.named())
     if (auto e = check_scalar(*buffer, name); e.failure()) return e;
-  p.q_scale = s.q.typed_data();
-  p.k_scale = s.k.typed_data();
-  p.v_scale = s.v.typed_data();
+  s.point(p);
   return ffi::Error::Success();
 }
 
-// The decode's and write_kv's scales: each a scalar or [L], the same L for all, L dividing the call's `items`
-// (decode: requests, write_kv: tokens); item i reads entry i / (items / L). jax.vmap's fold of per-layer scales
-// (jax_msa/_batching.py) stacks L layers of items / L each into one call.
-inline ffi::Error group_scales(std::initializer_list<NamedScale> scales, int64_t items, const char* item_name,
-                               int& items_per_scale) {
+// The decode's and write_kv's scales (a range of NamedScale): each a scalar or [L], the same L for all, L dividing the
+// call's `items` (decode: requests, write_kv: tokens); item i reads entry i / (items / L). jax.vmap's fold of
+// per-layer scales (jax_msa/_batching.py) stacks L layers of items / L each into one call.
+template <typename Scales>
+ffi::Error group_scales(const Scales& scales, int64_t items, const char* item_name, int& items_per_scale) {
   const int64_t n = scales.begin()->first->element_count();
   for (auto [buffer, name] : scales) {
     if (buffer->dimensions().size() > 1) return invalid(std::string(name) + " must be an fp32 scalar or vector");
@@ -267,13 +274,8 @@ inline ffi::Error make_decode_params(DecodeParams& p, ffi::AnyBuffer q, ffi::Any
     return invalid("decode split workspaces must be [S, B*QL, Hq(, D)]");
   if (out->element_count() != rows * p.head_dim || lse->element_count() != rows)
     return invalid("out / lse must be [B*QL, Hq, D] / [B*QL, Hq]");
-  if (auto e = group_scales({{&scales.q, "q_scale"}, {&scales.k, "k_scale"}, {&scales.v, "v_scale"}}, p.batch,
-                            "requests", p.requests_per_scale);
-      e.failure())
-    return e;
-  p.q_scale = scales.q.typed_data();
-  p.k_scale = scales.k.typed_data();
-  p.v_scale = scales.v.typed_data();
+  if (auto e = group_scales(scales.named(), p.batch, "requests", p.requests_per_scale); e.failure()) return e;
+  scales.point(p);
   p.topk_ids = topk.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.block_table = block_table.typed_data();
@@ -361,9 +363,8 @@ inline ffi::Error make_write_kv_params(WriteKvParams& p, ffi::AnyBuffer cache_in
   for (int i = 0; i + 3 < rank(cache_in); ++i) p.num_pages *= dim(cache_in, i);
   p.kv_format = KvFormat(kv_format);
   if (kv_format < 0 || kv_format > 2) return invalid("unknown kv_format");
-  if (auto e = group_scales({{&k_scale, "k_scale"}, {&v_scale, "v_scale"}}, p.num_tokens, "tokens", p.tokens_per_scale);
-      e.failure())
-    return e;
+  const std::array<NamedScale, 2> scales{{{&k_scale, "k_scale"}, {&v_scale, "v_scale"}}};
+  if (auto e = group_scales(scales, p.num_tokens, "tokens", p.tokens_per_scale); e.failure()) return e;
   return check_write_kv_buffers(p, cache_in, v, slot_mapping);
 }
 
