@@ -68,6 +68,9 @@ struct DecodeParams {
   // ---- sizes
   int batch, q_len, num_q_heads, num_kv_heads, head_dim, topk, max_blocks, num_splits;
   int requests_per_scale;           // B / L (>= 1)
+  uint64_t scale_entry_magic;       // ceil(2^32 / requests_per_scale): the CUDA kernels take request b's entry as
+                                    // (b * magic) >> 32, one multiply for a division; exact while b * B <= 2^32
+                                    // (their dispatch's B * QL <= 65535)
   int64_t num_pages;
   float softmax_scale;
   KvFormat kv_format;

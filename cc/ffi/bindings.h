@@ -275,6 +275,7 @@ inline ffi::Error make_decode_params(DecodeParams& p, ffi::AnyBuffer q, ffi::Any
   if (out->element_count() != rows * p.head_dim || lse->element_count() != rows)
     return invalid("out / lse must be [B*QL, Hq, D] / [B*QL, Hq]");
   if (auto e = group_scales(scales.named(), p.batch, "requests", p.requests_per_scale); e.failure()) return e;
+  p.scale_entry_magic = ((uint64_t(1) << 32) + p.requests_per_scale - 1) / uint64_t(p.requests_per_scale);
   scales.point(p);
   p.topk_ids = topk.typed_data();
   p.seq_lens = seq_lens.typed_data();

@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_tcgen05_kernel(cons
 
   // ---- 3. exact softmax over the split's keys (log2 units): thread = key lane of every block
   const bool quantized = F != KvFormat::kBf16;
-  const int scale_entry = b / p.requests_per_scale;  // 0 but under jax.vmap's fold of per-layer scales
+  // b / requests_per_scale (0 but under jax.vmap's fold of per-layer scales), as one multiply (params.h)
+  const int scale_entry = int((uint64_t(b) * p.scale_entry_magic) >> 32);
   const float q_scale = p.q_is_fp8 ? p.q_scale[scale_entry] : 1.0f;
   const float k_scale = quantized ? p.k_scale[scale_entry] : 1.0f;
   const float v_scale = quantized ? p.v_scale[scale_entry] : 1.0f;

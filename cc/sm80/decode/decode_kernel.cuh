@@ -93,7 +93,8 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
   // scales: q_scale and k_scale fold into the softmax scale (log2 units), v_scale into the output; loaded here so
   // that their round trip overlaps the others
   const bool quantized = F != KvFormat::kBf16;
-  const int scale_entry = b / p.requests_per_scale;  // 0 but under jax.vmap's fold of per-layer scales
+  // b / requests_per_scale (0 but under jax.vmap's fold of per-layer scales), as one multiply (params.h)
+  const int scale_entry = int((uint64_t(b) * p.scale_entry_magic) >> 32);
   const float q_scale = p.q_is_fp8 ? p.q_scale[scale_entry] : 1.0f;
   // the register path's K and V values are the cache's times kRegisterValueFactor (NVFP4: 2^-7)
   constexpr float kUnscale = 1.0f / ChunkIO<F>::kRegisterValueFactor;
