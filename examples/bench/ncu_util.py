@@ -1,4 +1,4 @@
-"""Nsight Compute helpers shared by the kernel-only timing scripts (ncu_decode.py, ncu_prefill.py)."""
+"""Nsight Compute helpers shared by the kernel-only timing scripts (ncu_decode.py, ncu_prefill.py, ncu_write_kv.py)."""
 
 import csv
 import glob
