@@ -66,6 +66,13 @@ def make_inputs(key, n: int, hkv: int, d: int, num_pages: int, sets: int):
     return tuple(ks), tuple(vs), tuple(ss)
 
 
+def write_bytes(n: int, hkv: int, d: int, fmt: kvc.KVFormat) -> tuple[int, int]:
+    """(cache bytes written, all bytes moved) by one write of n tokens: the K and V data (+ NVFP4 scales) of every new
+    token, and with them the bf16 k, v and the int32 slot_mapping read."""
+    written = n * kvc.bytes_per_token(fmt, hkv, d)
+    return written, written + 2 * n * hkv * d * 2 + n * 4
+
+
 def chained_writes(writes: int, impl: str):
     """jit(cache, ks, vs, ss) -> cache after `writes` writes, input set i % len(ks) for write i."""
     def chain(cache, ks, vs, ss):
@@ -103,8 +110,7 @@ def bench_format(name: str, args, key):
     single, cache = time_calls(chained_writes(1, args.impl), cache, inputs, args.samples, rotate=True)
     single_us = single * 1e6
 
-    written = n * kvc.bytes_per_token(fmt, hkv, d)  # K + V data (+ NVFP4 scales) of every new token
-    moved = written + 2 * n * hkv * d * 2 + n * 4  # + bf16 k, v and int32 slot_mapping read
+    written, moved = write_bytes(n, hkv, d, fmt)
     med = float(np.median(per_write))
     return {
         "format": name,

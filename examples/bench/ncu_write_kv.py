@@ -17,19 +17,12 @@ import os
 import statistics
 import sys
 
+from bench_write_kv import FORMATS, write_bytes
 from ncu_util import kernel_durations
 
 HBM = 4.3e12
 HEAD_DIM = 128
 DEFAULT_CASES = [f"{n},4,{f}" for n in (32, 256, 4096, 32768) for f in ("bf16", "fp8", "nvfp4")]
-
-
-def moved_bytes(tokens, kv_heads, fmt, d=HEAD_DIM):
-    """(cache bytes written, all bytes moved) by one write: the layout of MSA.md (NVFP4: 4 bits a value plus one
-    E4M3 scale a 16-value group, for K and for V)."""
-    values = tokens * kv_heads * d * 2  # K and V
-    written = {"bf16": 2 * values, "fp8": values, "nvfp4": values // 2 + values // 16}[fmt]
-    return written, written + 2 * values + 4 * tokens  # + the bf16 K, V and the int32 slot mapping read
 
 
 def profile(case, launches, flush_caches=True):
@@ -63,7 +56,7 @@ def main():
             print(f"| {tokens} | {kv_heads} | {fmt} | (no kernels profiled) |")
             continue
         us, lo, hi, n = r
-        written, moved = moved_bytes(int(tokens), int(kv_heads), fmt)
+        written, moved = write_bytes(int(tokens), int(kv_heads), HEAD_DIM, FORMATS[fmt])
         tbps = moved / (us * 1e-6) / 1e12
         print(f"| {tokens} | {kv_heads} | {fmt} | {us:.2f} | {lo:.2f}-{hi:.2f} | {n} | {written / 1e6:.2f} | "
               f"{moved / 1e6:.2f} | {tbps:.2f} | {100 * tbps * 1e12 / HBM:.0f}% |", flush=True)
