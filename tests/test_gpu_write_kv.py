@@ -1,6 +1,6 @@
 """The CUDA write_kv kernel (cc/cuda/write_kv.cu) against the jnp quantizer run on the CPU, byte for byte.
 
-For every format (bf16, FP8, NVFP4), D in {64, 128} and Hkv in {1, 4}: k / v groups drawn from the corner
+For every format (bf16, FP8, NVFP4), D in {64, 128} and Hkv in {1, 3, 4}: k / v groups drawn from the corner
 cases of MSA.md section 4 (E2M1 midpoint ties, values that saturate E4M3 / E2M1, scales that land in or
 below the E4M3 subnormal range, negative zeros, all-zero groups, bf16 subnormals, the bf16 maximum; for FP8 /
 NVFP4 also groups holding a NaN of either sign, which docs/FORMATS.md maps to one code each), slots
@@ -125,7 +125,7 @@ def _expected_on_cpu(cache, k, v, slots, k_scale, v_scale) -> np.ndarray:
 def _problem(fmt, d, hkv, seed, n=300, pages=4):
     rng = np.random.default_rng(seed)
     quantized = fmt != kvc.KVFormat.BF16
-    # Hkv = 1: default scales (None = 1.0); Hkv = 4: a power-of-two K scale (ties stay exact) and an
+    # Hkv = 1 or 3: default scales (None = 1.0); Hkv = 4: a power-of-two K scale (ties stay exact) and an
     # arbitrary V scale.
     k_scale, v_scale = (0.5, 0.0371) if (quantized and hkv == 4) else (None, None)
     k_gs, v_gs = 1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale
@@ -167,7 +167,7 @@ def test_jnp_writer_on_the_gpu_matches_cpu_bytes(fmt):
         assert (got == want).all(), f"{np.dtype(kv_dtype).name} K/V: " + _first_mismatch(got, want)
 
 
-@pytest.mark.parametrize("hkv", [1, 4])
+@pytest.mark.parametrize("hkv", [1, 3, 4])  # 3: the kernel's row / Hkv by a multiplier that is not a power of two
 @pytest.mark.parametrize("d", [128, 64])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name.lower())
 def test_cuda_write_kv_matches_cpu_reference_bytes(fmt, d, hkv):
@@ -183,6 +183,28 @@ def test_cuda_write_kv_matches_cpu_reference_bytes(fmt, d, hkv):
     written = (slots >= 0) & (slots < cache.shape[0] * PAGE)
     assert 0 < written.sum() < cache.shape[0] * PAGE
     assert (want != _as_bytes(cache)).any()
+
+
+@pytest.mark.parametrize("scales", [(None, None), (0.5, 0.0371), (3.0e-3, 7.0)], ids=["unit", "mixed", "far"])
+@pytest.mark.parametrize("fmt", FORMATS[1:], ids=lambda f: f.name.lower())
+def test_cuda_write_kv_every_bf16_value_matches_cpu_bytes(fmt, scales):
+    """All 65,536 bf16 bit patterns (NaNs, infinities, subnormals, both zeros) as K, and in another order as V, through
+    the kernel's conversions (the E4M3 codes by the hardware's cvt.rn.satfinite.e4m3x2.f32 on sm_89+, the E2M1
+    codes by E2m1Bounds), byte for byte the CPU's. Scales that keep the quotients in range, that push them into
+    E4M3's subnormals and saturation, and (NVFP4) block scales across the whole E4M3 range."""
+    k_scale, v_scale = scales
+    hkv, d = 2, 128
+    n = 65536 // (hkv * d)
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    k = bits.view(ml_dtypes.bfloat16).reshape(n, hkv, d)
+    v = np.random.default_rng(11).permutation(bits).view(ml_dtypes.bfloat16).reshape(n, hkv, d)
+    pages = n // PAGE
+    slots = np.random.default_rng(12).permutation(pages * PAGE).astype(np.int32)
+    cache = _random_cache(np.random.default_rng(13), fmt, pages, hkv, d)
+    want = _expected_on_cpu(cache, k, v, slots, k_scale, v_scale)
+    gpu = _gpu()
+    got = _as_bytes(_gpu_write(k_scale, v_scale)(*(jax.device_put(jnp.asarray(x), gpu) for x in (cache, k, v, slots))))
+    assert (got == want).all(), _first_mismatch(got, want)
 
 
 def test_cuda_write_kv_lowers_to_the_custom_call_with_aliasing():
@@ -253,14 +275,16 @@ def test_cuda_write_kv_vmapped_over_a_donated_stack(fmt):
         assert (got == want).all(), _first_mismatch(got, want)
 
 
+@pytest.mark.sanitize
+@pytest.mark.parametrize("tokens", [300, 1], ids=lambda n: f"{n}_tokens")  # 1: tokens_per_scale = 1 (the kernel's d = 1)
 @pytest.mark.parametrize("fmt", FORMATS[1:], ids=lambda f: f.name.lower())
-def test_cuda_write_kv_vmapped_with_per_layer_scales(fmt):
+def test_cuda_write_kv_vmapped_with_per_layer_scales(fmt, tokens):
     """jit(vmap(write_kv)) over layers that each have their own k_scale / v_scale (and vmap(vmap(...)), the scales
     per element on both axes, shared on the inner one or on the outer one): one custom call, no loop, the scales folded
     into a vector that each token indexes (jax_msa/_batching.py, bindings.h group_scales), byte for byte the jnp
     writer's layer by layer with that layer's scales."""
     layers, pages, hkv, d = 6, 4, 4, 128
-    probs = [_problem(fmt, d, hkv, seed=700 + 10 * int(fmt) + i, pages=pages) for i in range(layers)]
+    probs = [_problem(fmt, d, hkv, seed=700 + 10 * int(fmt) + i, n=tokens, pages=pages) for i in range(layers)]
     k_scales = np.float32(probs[0][4]) * np.float32([0.25, 0.5, 1.0, 2.0, 4.0, 8.0])
     v_scales = np.float32(probs[0][5]) * np.float32([3.0, 1.0, 0.5, 1.5, 0.125, 6.0])
     stacked = [np.stack([p[i] for p in probs]) for i in range(4)]  # cache, k, v, slots

@@ -2,6 +2,7 @@
 // and the CUDA write_kv kernel so both produce the same bytes as jax_msa/kv_cache.py.
 // Divisions are IEEE (correctly rounded): never build this with fast-math.
 #pragma once
+#include <cmath>
 #include <cstdint>
 
 #include "common/host_device.h"
@@ -9,13 +10,89 @@
 
 namespace jax_msa {
 
+// Two floats -> their float_to_e4m3_satfinite codes, lo's in the low byte. On sm_89+ one
+// cvt.rn.satfinite.e4m3x2.f32 (ties to even, saturation to +-448, any NaN -> 0x7f: CUDA's own emulation of the
+// instruction, cuda_fp8.hpp's __nv_cvt_float_to_fp8, maps NaN to the canonical 0x7f too) instead of the integer
+// path's ~20 branchy instructions a value; tests/test_gpu_write_kv.py compares the kernel's bytes with the CPU
+// handler's (ties, saturation, subnormals, NaN of either sign) and fails on any difference.
+MSA_HD uint16_t float2_to_e4m3x2_satfinite(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));  // first source -> high byte
+  return pair;
+#else
+  return uint16_t(float_to_e4m3_satfinite(lo) | (uint16_t(float_to_e4m3_satfinite(hi)) << 8));
+#endif
+}
+
 // One E4M3 byte of a bf16-rounded value divided by the tensor scale (a NaN, of either sign, gives 0x7F).
 MSA_HD uint8_t fp8_quantize(float x_bf16, float scale) { return float_to_e4m3_satfinite(x_bf16 / scale); }
+// fp8_quantize of two values, the first in the low byte (one conversion instruction on sm_89+).
+MSA_HD uint16_t fp8_quantize_pair(float x0_bf16, float x1_bf16, float scale) {
+  return float2_to_e4m3x2_satfinite(x0_bf16 / scale, x1_bf16 / scale);
+}
+
+// RD(a + b) and RU(a + b), the exact sum rounded down / up to a float. On the host the sum is taken in double, where
+// it is exact for E2m1Bounds' operands (a = T * sf and b = ulp(T) / 2 * sf: exponents 24-25 apart, at most 7 and 4
+// significant bits, so at most 32 bits in all), then rounded in the wanted direction.
+MSA_HD float add_round_down(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rd(a, b);
+#else
+  const double sum = double(a) + double(b);
+  const float f = float(sum);
+  return double(f) > sum ? std::nextafter(f, -HUGE_VALF) : f;
+#endif
+}
+MSA_HD float add_round_up(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_ru(a, b);
+#else
+  const double sum = double(a) + double(b);
+  const float f = float(sum);
+  return double(f) < sum ? std::nextafter(f, HUGE_VALF) : f;
+#endif
+}
+
+// The E2M1 code of fl(y / sf) (float_to_e2m1_satfinite's, ties to even) for a float y and an E4M3 block scale sf > 0,
+// without the division: y is compared with seven bounds made once a group. float_to_e2m1_satfinite tests F = fl(y / sf)
+// against the midpoints T between codes, F <= T for T = 0.25, 1.25, 2.5, 5 and F < T for T = 0.75, 1.75, 3.5. Each T
+// has an even last mantissa bit and is not a power of two where the test is "<", so with h = ulp(T) / 2:
+//   F <= T  iff  y / sf <= T + h  (the tie T + h rounds to the even T)  iff  |y| <= RD((T + h) * sf)
+//   F <  T  iff  y / sf <  T - h  (the tie T - h rounds to the even T)  iff  |y| <  RU((T - h) * sf)
+// (a float is <= a real iff it is <= the real rounded down, < iff < the real rounded up). T * sf (at most 3 + 4
+// significant bits) and h * sf (h a power of two) are exact floats, so one directed add makes each bound. NaN fails
+// every test (code 7, as in float_to_e2m1_satfinite), infinities fail them too; the sign is y's (that of fl(y / sf)).
+struct E2m1Bounds {
+  float le_025, lt_075, le_125, lt_175, le_250, lt_350, le_500;
+  MSA_HD explicit E2m1Bounds(float sf)
+      : le_025(add_round_down(0.25f * sf, 0x1p-26f * sf)),
+        lt_075(add_round_up(0.75f * sf, -0x1p-25f * sf)),
+        le_125(add_round_down(1.25f * sf, 0x1p-24f * sf)),
+        lt_175(add_round_up(1.75f * sf, -0x1p-24f * sf)),
+        le_250(add_round_down(2.5f * sf, 0x1p-23f * sf)),
+        lt_350(add_round_up(3.5f * sf, -0x1p-23f * sf)),
+        le_500(add_round_down(5.0f * sf, 0x1p-22f * sf)) {}
+  MSA_HD uint8_t code(float y) const {
+    const float a = y < 0.0f ? -y : y;
+    uint8_t m;
+    if (a <= le_025) m = 0;
+    else if (a < lt_075) m = 1;
+    else if (a <= le_125) m = 2;
+    else if (a < lt_175) m = 3;
+    else if (a <= le_250) m = 4;
+    else if (a < lt_350) m = 5;
+    else if (a <= le_500) m = 6;
+    else m = 7;  // includes +inf and NaN
+    if (m == 0) return 0;
+    return uint8_t(((float_to_bits(y) >> 31) ? 0x8u : 0x0u) | m);
+  }
+};
 
 // One 16-value NVFP4 group: x holds bf16-rounded values. Writes 8 data bytes (low nibble = even index)
 // and returns the E4M3 scale byte.
 //   sf   = e4m3_satfinite(max((max(amax, 1e-12) / 6) / global, 2^-9))
-//   code = e2m1_satfinite_rne((x / global) / sf)
+//   code = e2m1_satfinite_rne((x / global) / sf)   (the second division by comparisons: E2m1Bounds)
 // A group holding a NaN (outside MSA.md's contract) reads back as 16 NaNs: scale byte 0x7F (E4M3 NaN), data bytes 0,
 // whatever the NaNs' signs and payloads (docs/FORMATS.md; jax_msa/kv_cache.py does the same).
 MSA_HD uint8_t nvfp4_quantize_group(const float* x, float global_scale, uint8_t* data) {
@@ -33,11 +110,11 @@ MSA_HD uint8_t nvfp4_quantize_group(const float* x, float global_scale, uint8_t*
   float s = (amax > 1e-12f ? amax : 1e-12f) / 6.0f;
   s = s / global_scale;
   s = s > 0.001953125f ? s : 0.001953125f;
-  const uint8_t sf_code = float_to_e4m3_satfinite(s);
-  const float sf = e4m3_to_float(sf_code);
+  const uint8_t sf_code = uint8_t(float2_to_e4m3x2_satfinite(s, 0.0f));  // one instruction on sm_89+
+  const E2m1Bounds bounds(e4m3_to_float(sf_code));
   for (int j = 0; j < 8; ++j) {
-    const uint8_t lo = float_to_e2m1_satfinite((x[2 * j] / global_scale) / sf);
-    const uint8_t hi = float_to_e2m1_satfinite((x[2 * j + 1] / global_scale) / sf);
+    const uint8_t lo = bounds.code(x[2 * j] / global_scale);
+    const uint8_t hi = bounds.code(x[2 * j + 1] / global_scale);
     data[j] = uint8_t(lo | (hi << 4));
   }
   return sf_code;

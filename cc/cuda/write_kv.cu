@@ -66,8 +66,26 @@ __device__ __forceinline__ void store_words(uint8_t* __restrict__ dst, const uin
   }
 }
 
+// n / d without a division instruction sequence, for 0 <= n < 2^32 and 1 <= d < 2^32: magic = ceil(2^64 / d) =
+// (2^64 + e) / d with 0 <= e < d, so n * magic / 2^64 = n / d + n e / (d 2^64), and n e < 2^64 leaves the floor
+// as it is. d = 1 (whose magic, 2^64, does not fit) returns n. The kernel's two divisions were 64-bit ones (its
+// row by Hkv, its token by tokens_per_scale); 96542cf's per-token scale entry (that second division and the indexed
+// load) cost NVFP4 writes 3.3-6.6% on an H100 (docs/BENCHMARKS.md, fortieth session). Callers keep rows < 2^32
+// (cuda_module.cc refuses more).
+struct MagicDivisor {
+  uint64_t magic;
+  uint32_t d;
+  static MagicDivisor of(uint32_t d) { return {d > 1 ? UINT64_MAX / d + 1 : 0, d}; }
+  __device__ __forceinline__ uint32_t divide(uint32_t n) const {
+    // the top 32 bits of the 96-bit n * magic: (n * magic_hi + (n * magic_lo) / 2^32) / 2^32, no 64-bit overflow
+    const uint64_t high = uint64_t(n) * uint32_t(magic >> 32) + __umulhi(n, uint32_t(magic));
+    return d == 1 ? n : uint32_t(high >> 32);
+  }
+};
+
 template <KvFormat kFormat, bool kVec>
-__global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvParams p) {
+__global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvParams p, const MagicDivisor by_heads,
+                                                                 const MagicDivisor by_tokens_per_scale) {
   const int D = p.head_dim;
   const int G = D / kChunk;  // chunks per K (or V) half
   const int Hkv = p.num_kv_heads;
@@ -75,8 +93,8 @@ __global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvPa
   const int64_t capacity = p.num_pages * kPageSize;
   for (int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
        row += int64_t(gridDim.x) * blockDim.y) {
-    const int64_t n = row / Hkv;
-    const int g = int(row - n * Hkv);
+    const uint32_t n = by_heads.divide(uint32_t(row));  // rows < 2^32 (cuda_module.cc)
+    const int g = int(row - int64_t(n) * Hkv);
     const int32_t slot = p.slot_mapping[n];
     if (slot < 0 || slot >= capacity) continue;  // padding or beyond the cache: skipped
     const int64_t page = slot / kPageSize;
@@ -91,13 +109,14 @@ __global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvPa
         const int64_t elem = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
         store_words<kVec, 8>(reinterpret_cast<uint8_t*>(static_cast<uint16_t*>(p.kv_cache) + elem), w);
       } else {
-        const float scale = (kv ? p.v_scale : p.k_scale)[n / p.tokens_per_scale];
+        const float scale = (kv ? p.v_scale : p.k_scale)[by_tokens_per_scale.divide(n)];  // n / tokens_per_scale
         float x[kChunk];
         chunk_to_float(w, x);
         if constexpr (kFormat == KvFormat::kFp8) {
           uint32_t q[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-          for (int i = 0; i < kChunk; ++i) q[i / 4] |= uint32_t(fp8_quantize(x[i], scale)) << (8 * (i % 4));
+          for (int i = 0; i < kChunk; i += 2)
+            q[i / 4] |= uint32_t(fp8_quantize_pair(x[i], x[i + 1], scale)) << (8 * (i % 4));
           const int64_t byte = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
           store_words<kVec, 4>(static_cast<uint8_t*>(p.kv_cache) + byte, q);
         } else {
@@ -118,10 +137,12 @@ __global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvPa
 
 template <KvFormat kFormat>
 void launch(const WriteKvParams& p, bool vec, dim3 grid, dim3 block, cudaStream_t stream) {
+  const MagicDivisor by_heads = MagicDivisor::of(uint32_t(p.num_kv_heads));
+  const MagicDivisor by_tokens_per_scale = MagicDivisor::of(uint32_t(p.tokens_per_scale));
   if (vec)
-    write_kv_kernel<kFormat, true><<<grid, block, 0, stream>>>(p);
+    write_kv_kernel<kFormat, true><<<grid, block, 0, stream>>>(p, by_heads, by_tokens_per_scale);
   else
-    write_kv_kernel<kFormat, false><<<grid, block, 0, stream>>>(p);
+    write_kv_kernel<kFormat, false><<<grid, block, 0, stream>>>(p, by_heads, by_tokens_per_scale);
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }

@@ -54,6 +54,9 @@ ffi::Error write_kv_cuda_impl(cudaStream_t stream, ffi::AnyBuffer cache_in, ffi:
   // the kernel's 16-value chunks (ops.py sends it nothing else: _cuda_write_kv_supported)
   if (p.head_dim % 16 != 0 || p.head_dim > 256)
     return fb::invalid("the CUDA write_kv needs head_dim % 16 == 0 and head_dim <= 256");
+  // its row and token indices are 32-bit (cc/cuda/write_kv.cu's MagicDivisor)
+  if (int64_t(p.num_tokens) * p.num_kv_heads >= (int64_t(1) << 32))
+    return fb::invalid("the CUDA write_kv takes fewer than 2^32 (token, KV head) rows a call");
   if (const cudaError_t err = jax_msa::cuda::launch_write_kv(p, stream); err != cudaSuccess)
     return cuda_failure("write_kv kernel launch failed", err);
   return ffi::Error::Success();
