@@ -54,36 +54,33 @@ MSA_HD float add_round_up(float a, float b) {
 #endif
 }
 
+// The largest float below a finite c > 0.
+MSA_HD float float_below(float c) { return bits_to_float(float_to_bits(c) - 1u); }
+
 // The E2M1 code of fl(y / sf) (float_to_e2m1_satfinite's, ties to even) for a float y and an E4M3 block scale sf > 0,
-// without the division: y is compared with seven bounds made once a group. float_to_e2m1_satfinite tests F = fl(y / sf)
+// without the division: |y| is compared with seven bounds made once a group. float_to_e2m1_satfinite tests F = fl(y / sf)
 // against the midpoints T between codes, F <= T for T = 0.25, 1.25, 2.5, 5 and F < T for T = 0.75, 1.75, 3.5. Each T
 // has an even last mantissa bit and is not a power of two where the test is "<", so with h = ulp(T) / 2:
 //   F <= T  iff  y / sf <= T + h  (the tie T + h rounds to the even T)  iff  |y| <= RD((T + h) * sf)
 //   F <  T  iff  y / sf <  T - h  (the tie T - h rounds to the even T)  iff  |y| <  RU((T - h) * sf)
+//                                                                     iff  |y| <= the float below RU((T - h) * sf)
 // (a float is <= a real iff it is <= the real rounded down, < iff < the real rounded up). T * sf (at most 3 + 4
-// significant bits) and h * sf (h a power of two) are exact floats, so one directed add makes each bound. NaN fails
-// every test (code 7, as in float_to_e2m1_satfinite), infinities fail them too; the sign is y's (that of fl(y / sf)).
+// significant bits) and h * sf (h a power of two) are exact floats, so one directed add makes each bound. The seven
+// bounds increase, and code m is how many of them |y| exceeds (NaN exceeds all: code 7, as in float_to_e2m1_satfinite;
+// so does infinity), found by a binary search: three compares, no branch. The sign is y's (that of fl(y / sf)).
 struct E2m1Bounds {
-  float le_025, lt_075, le_125, lt_175, le_250, lt_350, le_500;
+  float bound[7];  // |y| <= bound[i] iff fl(|y| / sf) is at most the i-th midpoint's code, i
   MSA_HD explicit E2m1Bounds(float sf)
-      : le_025(add_round_down(0.25f * sf, 0x1p-26f * sf)),
-        lt_075(add_round_up(0.75f * sf, -0x1p-25f * sf)),
-        le_125(add_round_down(1.25f * sf, 0x1p-24f * sf)),
-        lt_175(add_round_up(1.75f * sf, -0x1p-24f * sf)),
-        le_250(add_round_down(2.5f * sf, 0x1p-23f * sf)),
-        lt_350(add_round_up(3.5f * sf, -0x1p-23f * sf)),
-        le_500(add_round_down(5.0f * sf, 0x1p-22f * sf)) {}
+      : bound{add_round_down(0.25f * sf, 0x1p-26f * sf), float_below(add_round_up(0.75f * sf, -0x1p-25f * sf)),
+              add_round_down(1.25f * sf, 0x1p-24f * sf), float_below(add_round_up(1.75f * sf, -0x1p-24f * sf)),
+              add_round_down(2.5f * sf, 0x1p-23f * sf),  float_below(add_round_up(3.5f * sf, -0x1p-23f * sf)),
+              add_round_down(5.0f * sf, 0x1p-22f * sf)} {}
   MSA_HD uint8_t code(float y) const {
-    const float a = y < 0.0f ? -y : y;
-    uint8_t m;
-    if (a <= le_025) m = 0;
-    else if (a < lt_075) m = 1;
-    else if (a <= le_125) m = 2;
-    else if (a < lt_175) m = 3;
-    else if (a <= le_250) m = 4;
-    else if (a < lt_350) m = 5;
-    else if (a <= le_500) m = 6;
-    else m = 7;  // includes +inf and NaN
+    const float a = bits_to_float(float_to_bits(y) & 0x7fffffffu);
+    const bool above_3 = !(a <= bound[3]);  // "!(<=)": true for NaN
+    const bool above_1_or_5 = !(a <= (above_3 ? bound[5] : bound[1]));
+    const float last = above_3 ? (above_1_or_5 ? bound[6] : bound[4]) : (above_1_or_5 ? bound[2] : bound[0]);
+    const uint32_t m = (above_3 ? 4u : 0u) + (above_1_or_5 ? 2u : 0u) + (!(a <= last) ? 1u : 0u);
     if (m == 0) return 0;
     return uint8_t(((float_to_bits(y) >> 31) ? 0x8u : 0x0u) | m);
   }
