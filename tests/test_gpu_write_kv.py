@@ -185,13 +185,16 @@ def test_cuda_write_kv_matches_cpu_reference_bytes(fmt, d, hkv):
     assert (want != _as_bytes(cache)).any()
 
 
-@pytest.mark.parametrize("scales", [(None, None), (0.5, 0.0371), (3.0e-3, 7.0)], ids=["unit", "mixed", "far"])
+# outside: NVFP4's codes after the division by the global scale (E2m1Bounds::divides_exactly is false)
+@pytest.mark.parametrize("scales", [(None, None), (0.5, 0.0371), (3.0e-3, 7.0), (1e-30, 1e35)],
+                         ids=["unit", "mixed", "far", "outside"])
 @pytest.mark.parametrize("fmt", FORMATS[1:], ids=lambda f: f.name.lower())
 def test_cuda_write_kv_every_bf16_value_matches_cpu_bytes(fmt, scales):
     """All 65,536 bf16 bit patterns (NaNs, infinities, subnormals, both zeros) as K, and in another order as V, through
     the kernel's conversions (the E4M3 codes by the hardware's cvt.rn.satfinite.e4m3x2.f32 on sm_89+, the E2M1
-    codes by E2m1Bounds), byte for byte the CPU's. Scales that keep the quotients in range, that push them into
-    E4M3's subnormals and saturation, and (NVFP4) block scales across the whole E4M3 range."""
+    codes by E2m1Bounds on x itself, or after the division by a global scale outside [2^-90, 2^100]), byte for byte the
+    CPU's. Scales that keep the quotients in range, that push them into E4M3's subnormals and saturation, and (NVFP4)
+    block scales across the whole E4M3 range."""
     k_scale, v_scale = scales
     hkv, d = 2, 128
     n = 65536 // (hkv * d)

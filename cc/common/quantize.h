@@ -32,6 +32,18 @@ MSA_HD uint16_t fp8_quantize_pair(float x0_bf16, float x1_bf16, float scale) {
   return float2_to_e4m3x2_satfinite(x0_bf16 / scale, x1_bf16 / scale);
 }
 
+#if !defined(__CUDA_ARCH__)
+// A double holding an exact real, rounded down / up to a float (host only: the GPU has directed-rounding instructions).
+inline float round_down_to_float(double exact) {
+  const float f = float(exact);
+  return double(f) > exact ? std::nextafter(f, -HUGE_VALF) : f;
+}
+inline float round_up_to_float(double exact) {
+  const float f = float(exact);
+  return double(f) < exact ? std::nextafter(f, HUGE_VALF) : f;
+}
+#endif
+
 // RD(a + b) and RU(a + b), the exact sum rounded down / up to a float. On the host the sum is taken in double, where
 // it is exact for E2m1Bounds' operands (a = T * sf and b = ulp(T) / 2 * sf: exponents 24-25 apart, at most 7 and 4
 // significant bits, so at most 32 bits in all), then rounded in the wanted direction.
@@ -39,18 +51,25 @@ MSA_HD float add_round_down(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fadd_rd(a, b);
 #else
-  const double sum = double(a) + double(b);
-  const float f = float(sum);
-  return double(f) > sum ? std::nextafter(f, -HUGE_VALF) : f;
+  return round_down_to_float(double(a) + double(b));
 #endif
 }
 MSA_HD float add_round_up(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fadd_ru(a, b);
 #else
-  const double sum = double(a) + double(b);
-  const float f = float(sum);
-  return double(f) < sum ? std::nextafter(f, HUGE_VALF) : f;
+  return round_up_to_float(double(a) + double(b));
+#endif
+}
+
+// RD(a * b + c), rounded once. On the host in double, exact for E2m1Bounds::of_numerator's operands
+// (a = m u and b = n v with integers m, n < 2^24 and powers of two u, v; c = n u v / 2: the sum is n (2 m + 1) u v / 2,
+// an integer below 2^49 times a power of two).
+MSA_HD float mul_add_round_down(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rd(a, b, c);
+#else
+  return round_down_to_float(double(a) * double(b) + double(c));
 #endif
 }
 
@@ -75,6 +94,22 @@ struct E2m1Bounds {
               add_round_down(1.25f * sf, 0x1p-24f * sf), float_below(add_round_up(1.75f * sf, -0x1p-24f * sf)),
               add_round_down(2.5f * sf, 0x1p-23f * sf),  float_below(add_round_up(3.5f * sf, -0x1p-23f * sf)),
               add_round_down(5.0f * sf, 0x1p-22f * sf)} {}
+  // The bounds on x whose codes are those of fl(x / g): code(x) of the result == code(fl(x / g)) of this, for every
+  // float x, when divides_exactly(g). For a bound b and the real q = |x| / g: fl(q) <= b iff q < b + h, h half the gap
+  // to the float above b (q = b + h exactly cannot happen: with b = m u, g = n v, m in [2^23, 2^24), n odd, u, v powers
+  // of two, x = (b + h) g = n (2 m + 1) u v / 2 would need 25 or more significant bits). So fl(q) <= b iff |x| < (b +
+  // h) g iff |x| <= RD(b g + h g), not a float either; h g is exact (h a power of two, h g >= 2^-35 2^-90 normal:
+  // every bound is at least 2^-11), so one fma rounded down makes each bound. NaN and infinity still exceed all of
+  // them; a finite x whose fl(x / g) overflows exceeds the last (at most 2240 g < 2^112); x's sign is fl(x / g)'s.
+  MSA_HD static bool divides_exactly(float g) { return g >= 0x1p-90f && g <= 0x1p100f; }  // false for NaN
+  MSA_HD E2m1Bounds of_numerator(float g) const {
+    E2m1Bounds on_x = *this;
+    for (int i = 0; i < 7; ++i) {
+      const float b = bound[i];
+      on_x.bound[i] = mul_add_round_down(b, g, (bits_to_float(float_to_bits(b) + 1u) - b) * 0.5f * g);
+    }
+    return on_x;
+  }
   MSA_HD uint8_t code(float y) const {
     const float a = bits_to_float(float_to_bits(y) & 0x7fffffffu);
     const bool above_3 = !(a <= bound[3]);  // "!(<=)": true for NaN
@@ -89,7 +124,8 @@ struct E2m1Bounds {
 // One 16-value NVFP4 group: x holds bf16-rounded values. Writes 8 data bytes (low nibble = even index)
 // and returns the E4M3 scale byte.
 //   sf   = e4m3_satfinite(max((max(amax, 1e-12) / 6) / global, 2^-9))
-//   code = e2m1_satfinite_rne((x / global) / sf)   (the second division by comparisons: E2m1Bounds)
+//   code = e2m1_satfinite_rne((x / global) / sf)   (both divisions by comparisons with bounds on x: E2m1Bounds; the
+//                                                   first stays a division for a global scale outside [2^-90, 2^100])
 // A group holding a NaN (outside MSA.md's contract) reads back as 16 NaNs: scale byte 0x7F (E4M3 NaN), data bytes 0,
 // whatever the NaNs' signs and payloads (docs/FORMATS.md; jax_msa/kv_cache.py does the same).
 MSA_HD uint8_t nvfp4_quantize_group(const float* x, float global_scale, uint8_t* data) {
@@ -109,10 +145,12 @@ MSA_HD uint8_t nvfp4_quantize_group(const float* x, float global_scale, uint8_t*
   s = s > 0.001953125f ? s : 0.001953125f;
   const uint8_t sf_code = uint8_t(float2_to_e4m3x2_satfinite(s, 0.0f));  // one instruction on sm_89+
   const E2m1Bounds bounds(e4m3_to_float(sf_code));
-  for (int j = 0; j < 8; ++j) {
-    const uint8_t lo = bounds.code(x[2 * j] / global_scale);
-    const uint8_t hi = bounds.code(x[2 * j + 1] / global_scale);
-    data[j] = uint8_t(lo | (hi << 4));
+  if (E2m1Bounds::divides_exactly(global_scale)) {  // the first division too by the bounds: on x itself
+    const E2m1Bounds on_x = bounds.of_numerator(global_scale);
+    for (int j = 0; j < 8; ++j) data[j] = uint8_t(on_x.code(x[2 * j]) | (on_x.code(x[2 * j + 1]) << 4));
+  } else {
+    for (int j = 0; j < 8; ++j)
+      data[j] = uint8_t(bounds.code(x[2 * j] / global_scale) | (bounds.code(x[2 * j + 1] / global_scale) << 4));
   }
   return sf_code;
 }
