@@ -1,7 +1,7 @@
 // CUDA write_kv: quantize-on-write of new K/V tokens into a bf16, FP8 or NVFP4 paged cache, in place.
 //
 // Work split: one thread per 16-value chunk of one (token, KV head, K|V) half; a (token, head) row has
-// 2 * D/16 chunks (16 threads for D = 128), the block packs 256 / (2 * D/16) rows along threadIdx.y.
+// 2 * D/16 <= 32 chunks (16 threads for D = 128), the block packs 256 / (2 * D/16) rows along threadIdx.y.
 // A chunk is exactly one NVFP4 scale group, so no thread talks to another.
 //   bf16 : two 16-byte loads, two 16-byte stores (the K and V halves of a cache row are contiguous)
 //   FP8  : two 16-byte loads, one 16-byte store of 16 E4M3 bytes
@@ -83,6 +83,33 @@ struct MagicDivisor {
   }
 };
 
+// store_words when `valid`, else nothing. Vectorized: one predicated store instruction (inline PTX), so that the
+// compiler sees no branch on `valid` and keeps the loads and arithmetic that feed the store above the slot's check
+// (their latency then overlaps the slot's round trip instead of following it).
+template <bool kVec, int kWords>
+__device__ __forceinline__ void store_words_if(bool valid, uint8_t* __restrict__ dst, const uint32_t* w) {
+  if constexpr (kVec && kWords == 8) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %0, 0;\n\t"
+                 "@p st.global.v4.u32 [%1], {%2, %3, %4, %5};\n\t@p st.global.v4.u32 [%1+16], {%6, %7, %8, %9};\n\t}"
+                 :: "r"(uint32_t(valid)), "l"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]), "r"(w[4]), "r"(w[5]),
+                    "r"(w[6]), "r"(w[7]) : "memory");
+  } else if constexpr (kVec && kWords == 4) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %0, 0;\n\t@p st.global.v4.u32 [%1], {%2, %3, %4, %5};\n\t}"
+                 :: "r"(uint32_t(valid)), "l"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+  } else if constexpr (kVec && kWords == 2) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %0, 0;\n\t@p st.global.v2.u32 [%1], {%2, %3};\n\t}"
+                 :: "r"(uint32_t(valid)), "l"(dst), "r"(w[0]), "r"(w[1]) : "memory");
+  } else {
+    if (valid) store_words<kVec, kWords>(dst, w);
+  }
+}
+
+// One byte when `valid` (a predicated st.global.u8).
+__device__ __forceinline__ void store_byte_if(bool valid, uint8_t* dst, uint8_t b) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %0, 0;\n\t@p st.global.u8 [%1], %2;\n\t}"
+               :: "r"(uint32_t(valid)), "l"(dst), "h"(uint16_t(b)) : "memory");
+}
+
 template <KvFormat kFormat, bool kVec>
 __global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvParams p, const MagicDivisor by_heads,
                                                                  const MagicDivisor by_tokens_per_scale) {
@@ -95,41 +122,47 @@ __global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvPa
        row += int64_t(gridDim.x) * blockDim.y) {
     const uint32_t n = by_heads.divide(uint32_t(row));  // rows < 2^32 (cuda_module.cc)
     const int g = int(row - int64_t(n) * Hkv);
-    const int32_t slot = p.slot_mapping[n];
-    if (slot < 0 || slot >= capacity) continue;  // padding or beyond the cache: skipped
+    // One chunk a thread (blockDim.x = 2 G <= 32: launch_write_kv). The chunk and its scale are loaded first: nothing
+    // but the stores' addresses depends on the slot, so these loads and the quantization overlap the slot's round trip.
+    const int c2 = threadIdx.x;
+    const int kv = c2 >= G ? 1 : 0;
+    const int c = c2 - kv * G;
+    uint32_t w[8];
+    load_chunk<kVec>((kv ? p.v : p.k) + row * D + c * kChunk, w);
+    float scale = 1.0f;
+    if constexpr (kFormat != KvFormat::kBf16)  // (kv ? v_scale : k_scale)[n / tokens_per_scale]; volatile: issued here,
+      asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];"  // not sunk below the NVFP4 group's NaN branch, which uses it
+                   : "=f"(scale) : "l"((kv ? p.v_scale : p.k_scale) + by_tokens_per_scale.divide(n)));
+    // Padding or a slot beyond the cache is skipped: its stores are predicated off (no branch, which would let the
+    // compiler sink the loads above below it), and slot 0 keeps the address arithmetic in range.
+    const int32_t slot_read = p.slot_mapping[n];
+    const bool valid = slot_read >= 0 && slot_read < capacity;
+    const int32_t slot = valid ? slot_read : 0;
     const int64_t page = slot / kPageSize;
     const int t = slot % kPageSize;
-    for (int c2 = threadIdx.x; c2 < 2 * G; c2 += blockDim.x) {
-      const int kv = c2 >= G ? 1 : 0;
-      const int c = c2 - kv * G;
-      const uint16_t* src = (kv ? p.v : p.k) + row * D + c * kChunk;
-      uint32_t w[8];
-      load_chunk<kVec>(src, w);
-      if constexpr (kFormat == KvFormat::kBf16) {
-        const int64_t elem = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
-        store_words<kVec, 8>(reinterpret_cast<uint8_t*>(static_cast<uint16_t*>(p.kv_cache) + elem), w);
+    if constexpr (kFormat == KvFormat::kBf16) {
+      const int64_t elem = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
+      store_words_if<kVec, 8>(valid, reinterpret_cast<uint8_t*>(static_cast<uint16_t*>(p.kv_cache) + elem), w);
+    } else {
+      float x[kChunk];
+      chunk_to_float(w, x);
+      if constexpr (kFormat == KvFormat::kFp8) {
+        uint32_t q[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int i = 0; i < kChunk; i += 2)
+          q[i / 4] |= uint32_t(fp8_quantize_pair(x[i], x[i + 1], scale)) << (8 * (i % 4));
+        const int64_t byte = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
+        store_words_if<kVec, 4>(valid, static_cast<uint8_t*>(p.kv_cache) + byte, q);
       } else {
-        const float scale = (kv ? p.v_scale : p.k_scale)[by_tokens_per_scale.divide(n)];  // n / tokens_per_scale
-        float x[kChunk];
-        chunk_to_float(w, x);
-        if constexpr (kFormat == KvFormat::kFp8) {
-          uint32_t q[4] = {0u, 0u, 0u, 0u};
+        const Nvfp4Slot geo{D};
+        uint8_t data[8];
+        const uint8_t sf = nvfp4_quantize_group(x, scale, data);
+        uint32_t q[2] = {0u, 0u};
 #pragma unroll
-          for (int i = 0; i < kChunk; i += 2)
-            q[i / 4] |= uint32_t(fp8_quantize_pair(x[i], x[i + 1], scale)) << (8 * (i % 4));
-          const int64_t byte = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
-          store_words<kVec, 4>(static_cast<uint8_t*>(p.kv_cache) + byte, q);
-        } else {
-          const Nvfp4Slot geo{D};
-          uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + geo.slot_offset(page, Hkv, g, kv);
-          uint8_t data[8];
-          const uint8_t sf = nvfp4_quantize_group(x, scale, data);
-          uint32_t q[2] = {0u, 0u};
-#pragma unroll
-          for (int i = 0; i < 8; ++i) q[i / 4] |= uint32_t(data[i]) << (8 * (i % 4));
-          store_words<kVec, 2>(base + int64_t(t) * geo.data_bytes_per_token() + c * 8, q);
-          base[kv ? geo.v_scale_offset(t, c) : geo.k_scale_offset(t, c)] = sf;
-        }
+        for (int i = 0; i < 8; ++i) q[i / 4] |= uint32_t(data[i]) << (8 * (i % 4));
+        uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + geo.slot_offset(page, Hkv, g, kv);
+        store_words_if<kVec, 2>(valid, base + int64_t(t) * geo.data_bytes_per_token() + c * 8, q);
+        store_byte_if(valid, base + (kv ? geo.v_scale_offset(t, c) : geo.k_scale_offset(t, c)), sf);
       }
     }
   }
@@ -153,7 +186,9 @@ cudaError_t launch_write_kv(const WriteKvParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.num_tokens) * p.num_kv_heads;
   if (rows <= 0 || p.head_dim <= 0) return cudaSuccess;
   const int chunks_per_row = 2 * (p.head_dim / kChunk);
-  const int bx = chunks_per_row < kMaxThreadsPerRow ? chunks_per_row : kMaxThreadsPerRow;
+  // one thread a chunk: the kernel has no loop over a row's chunks (cuda_module.cc refuses head_dim > 256)
+  if (p.head_dim % kChunk != 0 || chunks_per_row > kMaxThreadsPerRow) return cudaErrorInvalidValue;
+  const int bx = chunks_per_row;
   const int by = kBlockThreads / bx;
   const int64_t blocks_needed = (rows + by - 1) / by;
   const dim3 block(bx, by);
