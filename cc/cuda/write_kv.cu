@@ -71,7 +71,8 @@ __device__ __forceinline__ void store_words(uint8_t* __restrict__ dst, const uin
 // as it is. d = 1 (whose magic, 2^64, does not fit) returns n. The kernel's two divisions were 64-bit ones (its
 // row by Hkv, its token by tokens_per_scale); 96542cf's per-token scale entry (that second division and the indexed
 // load) cost NVFP4 writes 3.3-6.6% on an H100 (docs/BENCHMARKS.md, fortieth session). Callers keep rows < 2^32
-// (cuda_module.cc refuses more).
+// (cuda_module.cc refuses more). cutlass::FastDivmod (one multiply-high, 31-bit int dividends) compiled worse here
+// (forty-third session, sm_90a: the NVFP4 kernels 64 -> 83 / 106 registers, 1,304 -> 1,368 instructions).
 struct MagicDivisor {
   uint64_t magic;
   uint32_t d;
