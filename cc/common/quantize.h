@@ -121,6 +121,15 @@ struct E2m1Bounds {
   }
 };
 
+// The E4M3 block scale of a group whose largest magnitude is amax (not NaN): e4m3_satfinite(max((max(amax, 1e-12) / 6)
+// / global, 2^-9)).
+MSA_HD uint8_t nvfp4_scale_code(float amax, float global_scale) {
+  float s = (amax > 1e-12f ? amax : 1e-12f) / 6.0f;
+  s = s / global_scale;
+  s = s > 0.001953125f ? s : 0.001953125f;
+  return uint8_t(float2_to_e4m3x2_satfinite(s, 0.0f));  // one instruction on sm_89+
+}
+
 // One 16-value NVFP4 group: x holds bf16-rounded values. Writes 8 data bytes (low nibble = even index)
 // and returns the E4M3 scale byte.
 //   sf   = e4m3_satfinite(max((max(amax, 1e-12) / 6) / global, 2^-9))
@@ -140,10 +149,7 @@ MSA_HD uint8_t nvfp4_quantize_group(const float* x, float global_scale, uint8_t*
     for (int j = 0; j < 8; ++j) data[j] = 0;
     return 0x7f;
   }
-  float s = (amax > 1e-12f ? amax : 1e-12f) / 6.0f;
-  s = s / global_scale;
-  s = s > 0.001953125f ? s : 0.001953125f;
-  const uint8_t sf_code = uint8_t(float2_to_e4m3x2_satfinite(s, 0.0f));  // one instruction on sm_89+
+  const uint8_t sf_code = nvfp4_scale_code(amax, global_scale);
   const E2m1Bounds bounds(e4m3_to_float(sf_code));
   if (E2m1Bounds::divides_exactly(global_scale)) {  // the first division too by the bounds: on x itself
     const E2m1Bounds on_x = bounds.of_numerator(global_scale);
@@ -151,6 +157,99 @@ MSA_HD uint8_t nvfp4_quantize_group(const float* x, float global_scale, uint8_t*
   } else {
     for (int j = 0; j < 8; ++j)
       data[j] = uint8_t(bounds.code(x[2 * j] / global_scale) | (bounds.code(x[2 * j + 1] / global_scale) << 4));
+  }
+  return sf_code;
+}
+
+// Two bf16 values in a word (the first in the low half), the layout the kernels load. On sm_90+ each primitive is one
+// instruction (HSET2.BF16_V2, VIMNMX.U16x2); elsewhere (the host, older GPUs) its definition.
+// Per half: 0xffff where a > b or either is NaN (set.gtu), else 0.
+MSA_HD uint32_t bf16x2_greater_mask(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t r;
+  asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  uint32_t r = 0;
+  for (int h = 0; h < 32; h += 16)
+    if (!(bf16_bits_to_float(uint16_t(a >> h)) <= bf16_bits_to_float(uint16_t(b >> h)))) r |= 0xffffu << h;
+  return r;
+#endif
+}
+// Per half: the larger of two unsigned 16-bit integers.
+MSA_HD uint32_t u16x2_max(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  const uint32_t lo = (a & 0xffffu) > (b & 0xffffu) ? (a & 0xffffu) : (b & 0xffffu);
+  const uint32_t hi = (a >> 16) > (b >> 16) ? (a >> 16) : (b >> 16);
+  return lo | (hi << 16);
+#endif
+}
+// Per bit: m's 1 bits pick a, its 0 bits b (one LOP3).
+MSA_HD uint32_t select_bits(uint32_t m, uint32_t a, uint32_t b) { return (m & a) | (~m & b); }
+
+// E2m1Bounds::code of two bf16 values at once. For a bf16 x and a float b > 0, x <= b iff x <= RD_bf16(b) (the
+// largest bf16 not above b, b's bits truncated), so the seven bounds rounded down to bf16 give the same codes, and
+// two values share each compare and select. Magnitudes of bf16 without NaN compare as their bit patterns, so the
+// packed compare of |x| with a bound is exact.
+struct E2m1BoundsBf16x2 {
+  uint32_t bound[7];  // RD_bf16 of E2m1Bounds::bound[i], in both halves
+  MSA_HD explicit E2m1BoundsBf16x2(const E2m1Bounds& b) {
+    for (int i = 0; i < 7; ++i) {
+      const uint32_t h = float_to_bits(b.bound[i]) >> 16;  // the bounds are positive and finite
+      bound[i] = h | (h << 16);
+    }
+  }
+  // The codes of w's two values in bits 0-3 (the low half's) and 16-19, the search of E2m1Bounds::code on each half.
+  MSA_HD uint32_t codes(uint32_t w) const {
+    const uint32_t a = w & 0x7fff7fffu;
+    const uint32_t above_3 = bf16x2_greater_mask(a, bound[3]);
+    const uint32_t above_1_or_5 = bf16x2_greater_mask(a, select_bits(above_3, bound[5], bound[1]));
+    const uint32_t last = select_bits(above_3, select_bits(above_1_or_5, bound[6], bound[4]),
+                                      select_bits(above_1_or_5, bound[2], bound[0]));
+    const uint32_t above_last = bf16x2_greater_mask(a, last);
+    const uint32_t nonzero = bf16x2_greater_mask(a, bound[0]);  // code m > 0: the sign is kept
+    return (above_3 & 0x00040004u) | (above_1_or_5 & 0x00020002u) | (above_last & 0x00010001u) |
+           (nonzero & (w >> 12) & 0x00080008u);
+  }
+};
+
+// nvfp4_quantize_group's bytes from the group as loaded: w[i] holds values 2i (low half) and 2i + 1 as bf16. The data
+// bytes go to q (byte j of the group in byte j % 4 of q[j / 4]); returns the scale byte. The amax is the largest
+// magnitude's bit pattern (a NaN's is larger than any other), the codes two a compare (E2m1BoundsBf16x2); for a global
+// scale outside divides_exactly's range the values go through nvfp4_quantize_group.
+MSA_HD uint8_t nvfp4_quantize_group_bf16x2(const uint32_t (&w)[8], float global_scale, uint32_t (&q)[2]) {
+  if (!E2m1Bounds::divides_exactly(global_scale)) {
+    float x[16];
+    uint8_t data[8];
+    for (int i = 0; i < 8; ++i) {
+      x[2 * i] = bf16_bits_to_float(uint16_t(w[i] & 0xffffu));
+      x[2 * i + 1] = bf16_bits_to_float(uint16_t(w[i] >> 16));
+    }
+    const uint8_t sf_code = nvfp4_quantize_group(x, global_scale, data);
+    q[0] = q[1] = 0u;
+    for (int j = 0; j < 8; ++j) q[j / 4] |= uint32_t(data[j]) << (8 * (j % 4));
+    return sf_code;
+  }
+  uint32_t amax2 = 0u;
+  for (int i = 0; i < 8; ++i) amax2 = u16x2_max(amax2, w[i] & 0x7fff7fffu);
+  const uint32_t amax_bits = (amax2 & 0xffffu) > (amax2 >> 16) ? (amax2 & 0xffffu) : (amax2 >> 16);
+  if (amax_bits > 0x7f80u) {  // a NaN
+    q[0] = q[1] = 0u;
+    return 0x7f;
+  }
+  const uint8_t sf_code = nvfp4_scale_code(bf16_bits_to_float(uint16_t(amax_bits)), global_scale);
+  const E2m1BoundsBf16x2 on_x(E2m1Bounds(e4m3_to_float(sf_code)).of_numerator(global_scale));
+  for (int k = 0; k < 2; ++k) {
+    uint32_t word = 0u;
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t c = on_x.codes(w[4 * k + j]);
+      word |= ((c | (c >> 12)) & 0xffu) << (8 * j);  // value 2i's code in the low nibble, 2i + 1's in the high
+    }
+    q[k] = word;
   }
   return sf_code;
 }

@@ -144,27 +144,22 @@ __global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvPa
     if constexpr (kFormat == KvFormat::kBf16) {
       const int64_t elem = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
       store_words_if<kVec, 8>(valid, reinterpret_cast<uint8_t*>(static_cast<uint16_t*>(p.kv_cache) + elem), w);
-    } else {
+    } else if constexpr (kFormat == KvFormat::kFp8) {
       float x[kChunk];
       chunk_to_float(w, x);
-      if constexpr (kFormat == KvFormat::kFp8) {
-        uint32_t q[4] = {0u, 0u, 0u, 0u};
+      uint32_t q[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-        for (int i = 0; i < kChunk; i += 2)
-          q[i / 4] |= uint32_t(fp8_quantize_pair(x[i], x[i + 1], scale)) << (8 * (i % 4));
-        const int64_t byte = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
-        store_words_if<kVec, 4>(valid, static_cast<uint8_t*>(p.kv_cache) + byte, q);
-      } else {
-        const Nvfp4Slot geo{D};
-        uint8_t data[8];
-        const uint8_t sf = nvfp4_quantize_group(x, scale, data);
-        uint32_t q[2] = {0u, 0u};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) q[i / 4] |= uint32_t(data[i]) << (8 * (i % 4));
-        uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + geo.slot_offset(page, Hkv, g, kv);
-        store_words_if<kVec, 2>(valid, base + int64_t(t) * geo.data_bytes_per_token() + c * 8, q);
-        store_byte_if(valid, base + (kv ? geo.v_scale_offset(t, c) : geo.k_scale_offset(t, c)), sf);
-      }
+      for (int i = 0; i < kChunk; i += 2)
+        q[i / 4] |= uint32_t(fp8_quantize_pair(x[i], x[i + 1], scale)) << (8 * (i % 4));
+      const int64_t byte = ((page * Hkv + g) * kPageSize + t) * (2 * int64_t(D)) + kv * D + c * kChunk;
+      store_words_if<kVec, 4>(valid, static_cast<uint8_t*>(p.kv_cache) + byte, q);
+    } else {
+      const Nvfp4Slot geo{D};
+      uint32_t q[2];  // the group's 8 data bytes; its values stay packed bf16 pairs (two a compare on sm_90+)
+      const uint8_t sf = nvfp4_quantize_group_bf16x2(w, scale, q);
+      uint8_t* base = static_cast<uint8_t*>(p.kv_cache) + geo.slot_offset(page, Hkv, g, kv);
+      store_words_if<kVec, 2>(valid, base + int64_t(t) * geo.data_bytes_per_token() + c * 8, q);
+      store_byte_if(valid, base + (kv ? geo.v_scale_offset(t, c) : geo.k_scale_offset(t, c)), sf);
     }
   }
 }
