@@ -1,6 +1,8 @@
 """What write_kv (cc/cuda/write_kv.cu) compiles to for sm_90a, checked on any machine with nvcc (its bytes:
-test_gpu_write_kv.py on the GPU). A write's time is mostly its loads' latency (docs/BENCHMARKS.md, forty-third
-session: NVFP4's instructions cut by a fifth bought nothing, overlapping the slot's load with the chunk's 5-16%), so:
+test_gpu_write_kv.py on the GPU). Measured on an H100 (docs/BENCHMARKS.md): overlapping the slot's load with the
+chunk's took 5-16% off (forty-third session), and the NVFP4 write is bound by its instruction issue (forty-fourth
+session: the packed quantizer's third fewer instructions took 22-30% off; more registers' worth of loads in flight did
+not pay). So:
 - the loads of a row (the chunk, its scale, the slot) issue back to back before any branch, so their latencies overlap;
   with a branch on the slot's validity there, ptxas sank the chunk loads below it (forty-second session);
 - no spills."""
