@@ -1,7 +1,7 @@
 """The NVFP4 quantizer's division-free E2M1 rounding (E2m1Bounds, cc/common/quantize.h) gives the division's codes:
 tests/cc/e2m1_bounds_check.cc, built with the host C++ compiler and run (every block scale, the floats around every
 bound, random and special values); and the packed quantizer the write_kv kernel runs gives the scalar one's bytes:
-tests/cc/nvfp4_bf16x2_check.cc (every bf16 value's codes, whole groups)."""
+tests/cc/nvfp4_bf16x2_check.cc (its shortcuts, every bf16 value's codes, whole groups)."""
 
 import os
 import shutil
@@ -35,6 +35,6 @@ def test_e2m1_bounds_match_the_division(tmp_path):
 def test_packed_nvfp4_quantizer_matches_the_scalar_one(tmp_path):
     out = build_and_run("nvfp4_bf16x2_check", tmp_path)
     fields = out.stdout.split()
-    code_checks, group_checks = int(fields[-8]), int(fields[-5])
-    assert code_checks > 400_000_000 and group_checks > 1_000_000, out.stdout
+    shortcut_checks, code_checks, group_checks = int(fields[-11]), int(fields[-8]), int(fields[-5])
+    assert shortcut_checks > 56_000 and code_checks > 400_000_000 and group_checks > 1_000_000, out.stdout
     assert out.stdout.strip().endswith(" 0 mismatches"), out.stdout

@@ -5,6 +5,8 @@ session: the packed quantizer's third fewer instructions took 22-30% off; more r
 not pay). So:
 - the loads of a row (the chunk, its scale, the slot) issue back to back before any branch, so their latencies overlap;
   with a branch on the slot's validity there, ptxas sank the chunk loads below it (forty-second session);
+- the NVFP4 kernel's path from the group's NaN test to its stores stays short: one IEEE division (by the global scale;
+  the amax's by 6 is two fmas), 32 packed compares, the block scale back to a float by one conversion;
 - no spills."""
 
 from __future__ import annotations
@@ -59,6 +61,13 @@ def test_write_kv_loads_overlap_without_spills(tmp_path):
         assert loads[-1] < first_branch, (fmt, lines[loads[0]:loads[-1] + 1])
         stores = [i for i, l in enumerate(lines) if re.search(r"\bSTG\b", l)]
         assert stores and min(stores) > loads[-1], fmt
+    nvfp4 = [l for l in bodies[("nvfp4", True)].splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", l)]
+    nan_test = next(i for i, l in enumerate(nvfp4) if re.search(r"ISETP\.GT\.U32\.AND P\d, PT, R\d+, 0x7f80, PT", l))
+    end = next(i for i in range(nan_test + 1, len(nvfp4)) if re.search(r"\*/\s+BRA\b", nvfp4[i]))
+    fast_path = nvfp4[nan_test + 1:end]
+    count = lambda pattern: sum(bool(re.search(pattern, l)) for l in fast_path)
+    assert count(r"\bFCHK\b") == 1 and count(r"\bHSET2\.BF16_V2\b") == 32, fast_path
+    assert count(r"F2FP\.F16\.E4M3\.UNPACK_B") == 1 and len(fast_path) <= 200, (len(fast_path), fast_path)
     usage = resource_usage(log)
     assert len(usage) == 6, log
     for (fmt, vec), (registers, spills) in usage.items():

@@ -62,14 +62,22 @@ MSA_HD float add_round_up(float a, float b) {
 #endif
 }
 
-// RD(a * b + c), rounded once. On the host in double, exact for E2m1Bounds::of_numerator's operands
-// (a = m u and b = n v with integers m, n < 2^24 and powers of two u, v; c = n u v / 2: the sum is n (2 m + 1) u v / 2,
-// an integer below 2^49 times a power of two).
+// RD(a * b + c) and RU(a * b + c), rounded once. On the host in double, exact for the operands used here:
+// E2m1Bounds::of_numerator's (a = m u and b = n v with integers m, n < 2^24 and powers of two u, v; c = n u v / 2: the
+// sum is n (2 m + 1) u v / 2, an integer below 2^49 times a power of two) and E2m1BoundsBf16x2::of's first step (a = T,
+// b = sf, c = +-ulp(T) / 2 * sf: the product has at most 7 significant bits, the sum at most 33).
 MSA_HD float mul_add_round_down(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
   return __fmaf_rd(a, b, c);
 #else
   return round_down_to_float(double(a) * double(b) + double(c));
+#endif
+}
+MSA_HD float mul_add_round_up(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_ru(a, b, c);
+#else
+  return round_up_to_float(double(a) * double(b) + double(c));
 #endif
 }
 
@@ -162,7 +170,7 @@ MSA_HD uint8_t nvfp4_quantize_group(const float* x, float global_scale, uint8_t*
 }
 
 // Two bf16 values in a word (the first in the low half), the layout the kernels load. On sm_90+ each primitive is one
-// instruction (HSET2.BF16_V2, VIMNMX.U16x2); elsewhere (the host, older GPUs) its definition.
+// instruction (HSET2.BF16_V2, VIMNMX.U16x2, PRMT); elsewhere (the host, older GPUs) its definition.
 // Per half: 0xffff where a > b or either is NaN (set.gtu), else 0.
 MSA_HD uint32_t bf16x2_greater_mask(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -190,6 +198,50 @@ MSA_HD uint32_t u16x2_max(uint32_t a, uint32_t b) {
 }
 // Per bit: m's 1 bits pick a, its 0 bits b (one LOP3).
 MSA_HD uint32_t select_bits(uint32_t m, uint32_t a, uint32_t b) { return (m & a) | (~m & b); }
+// The low halves of a (low) and b (high) in one word.
+MSA_HD uint32_t low_halves(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, 0x5410);
+#else
+  return (a & 0xffffu) | (b << 16);
+#endif
+}
+// A float's high half (its bf16 rounded toward zero) in both halves.
+MSA_HD uint32_t high_half_in_both(float f) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(float_to_bits(f), 0u, 0x3232);
+#else
+  const uint32_t h = float_to_bits(f) >> 16;
+  return h | (h << 16);
+#endif
+}
+// The E4M3 value of the code in pair's low byte (pair's bytes equal: then either byte's), as a float. One
+// cvt.rn.f16x2.e4m3x2 (exact: every E4M3 value is an f16) and one f16 -> f32 conversion on sm_89+.
+MSA_HD float e4m3_pair_to_float(uint16_t pair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t h2;
+  float f;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(uint16_t(h2)));
+  return f;
+#else
+  return e4m3_to_float(uint8_t(pair));
+#endif
+}
+
+// fl(max(a, 1e-12) / 6) for a finite bf16 value a >= 0, without the division: q = fl(m * fl(1/6)) is within an ulp
+// of the quotient, the residual m - 6 q is exact (one fma), and one more fma corrects q. For a = infinity, the largest
+// bf16's: above 2^124, so that its scale code, divided by any global scale of E2m1Bounds::divides_exactly's range, is
+// infinity's (448, saturated). tests/cc/nvfp4_bf16x2_check.cc checks both against the division.
+MSA_HD float bf16_amax_over_6(float a) {
+  const float m = fminf(fmaxf(a, 1e-12f), 0x1.fep127f);
+  const float q = m * (1.0f / 6.0f);
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(__fmaf_rn(-6.0f, q, m), 1.0f / 6.0f, q);
+#else
+  return std::fma(std::fma(-6.0f, q, m), 1.0f / 6.0f, q);
+#endif
+}
 
 // E2m1Bounds::code of two bf16 values at once. For a bf16 x and a float b > 0, x <= b iff x <= RD_bf16(b) (the
 // largest bf16 not above b, b's bits truncated), so the seven bounds rounded down to bf16 give the same codes, and
@@ -197,13 +249,34 @@ MSA_HD uint32_t select_bits(uint32_t m, uint32_t a, uint32_t b) { return (m & a)
 // packed compare of |x| with a bound is exact.
 struct E2m1BoundsBf16x2 {
   uint32_t bound[7];  // RD_bf16 of E2m1Bounds::bound[i], in both halves
+  E2m1BoundsBf16x2() = default;
+  // The definition: from the float bounds.
   MSA_HD explicit E2m1BoundsBf16x2(const E2m1Bounds& b) {
-    for (int i = 0; i < 7; ++i) {
-      const uint32_t h = float_to_bits(b.bound[i]) >> 16;  // the bounds are positive and finite
-      bound[i] = h | (h << 16);
-    }
+    for (int i = 0; i < 7; ++i) bound[i] = high_half_in_both(b.bound[i]);  // the bounds are positive and finite
   }
-  // The codes of w's two values in bits 0-3 (the low half's) and 16-19, the search of E2m1Bounds::code on each half.
+  // The same bounds as E2m1BoundsBf16x2(E2m1Bounds(sf).of_numerator(g)) for a block scale sf (an E4M3 value > 0) and
+  // a global scale g with E2m1Bounds::divides_exactly(g), in fewer instructions:
+  // - E2m1Bounds(sf)'s RD(T sf + h sf) as one fma each (T sf and h sf are exact; the five products h sf shared);
+  // - of_numerator's h_b g (h_b = ulp(b) / 2 = 2^(E(b) - 24)) by adding b's exponent, less 151, to g's bits: g and the
+  //   product 2^(E(b) - 24) g (E(b) in [-11, 11], g in [2^-90, 2^100]) are normal floats, so that is exact.
+  // tests/cc/nvfp4_bf16x2_check.cc compares every bound with the definition's.
+  MSA_HD static E2m1BoundsBf16x2 of(float sf, float g) {
+    const float h26 = sf * 0x1p-26f, h25 = sf * 0x1p-25f, h24 = sf * 0x1p-24f, h23 = sf * 0x1p-23f,
+                h22 = sf * 0x1p-22f;
+    const float b[7] = {mul_add_round_down(0.25f, sf, h26), float_below(mul_add_round_up(0.75f, sf, -h25)),
+                        mul_add_round_down(1.25f, sf, h24), float_below(mul_add_round_up(1.75f, sf, -h24)),
+                        mul_add_round_down(2.5f, sf, h23),  float_below(mul_add_round_up(3.5f, sf, -h23)),
+                        mul_add_round_down(5.0f, sf, h22)};
+    const uint32_t g_less_151 = float_to_bits(g) - (151u << 23);
+    E2m1BoundsBf16x2 r;
+    for (int i = 0; i < 7; ++i) {
+      const float half_ulp_times_g = bits_to_float(g_less_151 + (float_to_bits(b[i]) & 0x7f800000u));
+      r.bound[i] = high_half_in_both(mul_add_round_down(b[i], g, half_ulp_times_g));
+    }
+    return r;
+  }
+  // The codes of w's two values in bits 12-15 (the low half's) and 28-31: the search of E2m1Bounds::code on each half,
+  // the sign bits where the code is not 0 then being w's own.
   MSA_HD uint32_t codes(uint32_t w) const {
     const uint32_t a = w & 0x7fff7fffu;
     const uint32_t above_3 = bf16x2_greater_mask(a, bound[3]);
@@ -212,15 +285,23 @@ struct E2m1BoundsBf16x2 {
                                       select_bits(above_1_or_5, bound[2], bound[0]));
     const uint32_t above_last = bf16x2_greater_mask(a, last);
     const uint32_t nonzero = bf16x2_greater_mask(a, bound[0]);  // code m > 0: the sign is kept
-    return (above_3 & 0x00040004u) | (above_1_or_5 & 0x00020002u) | (above_last & 0x00010001u) |
-           (nonzero & (w >> 12) & 0x00080008u);
+    // bit 14 of each half above_3, bit 12 above_last, the others above_1_or_5 (bit 13 the one kept)
+    const uint32_t m = select_bits(0x10001000u, above_last, select_bits(0x40004000u, above_3, above_1_or_5));
+    return (m & 0x70007000u) | (w & nonzero & 0x80008000u);
+  }
+  // The data bytes of two words' codes (codes(w0), codes(w1)): byte 0 holds w0's values (the low half's code in the
+  // low nibble), byte 1 w1's, in the low 16 bits of the result (the rest is not defined).
+  MSA_HD static uint32_t two_bytes(uint32_t c0, uint32_t c1) {
+    const uint32_t t = (c0 >> 12) | (c1 >> 4);  // nibbles: c0 low, c1 low, c0 high, c1 high in bytes 0-3
+    return t | (t >> 12);
   }
 };
 
 // nvfp4_quantize_group's bytes from the group as loaded: w[i] holds values 2i (low half) and 2i + 1 as bf16. The data
 // bytes go to q (byte j of the group in byte j % 4 of q[j / 4]); returns the scale byte. The amax is the largest
-// magnitude's bit pattern (a NaN's is larger than any other), the codes two a compare (E2m1BoundsBf16x2); for a global
-// scale outside divides_exactly's range the values go through nvfp4_quantize_group.
+// magnitude's bit pattern (a NaN's is larger than any other), its division by 6 bf16_amax_over_6, the codes two a
+// compare (E2m1BoundsBf16x2); for a global scale outside divides_exactly's range the values go through
+// nvfp4_quantize_group.
 MSA_HD uint8_t nvfp4_quantize_group_bf16x2(const uint32_t (&w)[8], float global_scale, uint32_t (&q)[2]) {
   if (!E2m1Bounds::divides_exactly(global_scale)) {
     float x[16];
@@ -241,17 +322,17 @@ MSA_HD uint8_t nvfp4_quantize_group_bf16x2(const uint32_t (&w)[8], float global_
     q[0] = q[1] = 0u;
     return 0x7f;
   }
-  const uint8_t sf_code = nvfp4_scale_code(bf16_bits_to_float(uint16_t(amax_bits)), global_scale);
-  const E2m1BoundsBf16x2 on_x(E2m1Bounds(e4m3_to_float(sf_code)).of_numerator(global_scale));
+  // nvfp4_scale_code's steps, the code in both bytes of the pair
+  float s = bf16_amax_over_6(bf16_bits_to_float(uint16_t(amax_bits))) / global_scale;
+  s = s > 0.001953125f ? s : 0.001953125f;
+  const uint16_t sf_pair = float2_to_e4m3x2_satfinite(s, s);
+  const E2m1BoundsBf16x2 on_x = E2m1BoundsBf16x2::of(e4m3_pair_to_float(sf_pair), global_scale);
   for (int k = 0; k < 2; ++k) {
-    uint32_t word = 0u;
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t c = on_x.codes(w[4 * k + j]);
-      word |= ((c | (c >> 12)) & 0xffu) << (8 * j);  // value 2i's code in the low nibble, 2i + 1's in the high
-    }
-    q[k] = word;
+    const uint32_t c0 = on_x.codes(w[4 * k]), c1 = on_x.codes(w[4 * k + 1]), c2 = on_x.codes(w[4 * k + 2]),
+                   c3 = on_x.codes(w[4 * k + 3]);
+    q[k] = low_halves(E2m1BoundsBf16x2::two_bytes(c0, c1), E2m1BoundsBf16x2::two_bytes(c2, c3));
   }
-  return sf_code;
+  return uint8_t(sf_pair);
 }
 
 }  // namespace jax_msa

@@ -1,9 +1,12 @@
 // The packed NVFP4 quantizer the write_kv kernel runs (nvfp4_quantize_group_bf16x2, cc/common/quantize.h: two bf16
 // values a compare) against the scalar one the CPU handler runs (nvfp4_quantize_group), on the host, where the
 // packed primitives are their definitions (on sm_90+ they are single instructions: tests/test_gpu_write_kv.py compares
-// the kernel's bytes with the CPU handler's for every bf16 value). Two parts:
+// the kernel's bytes with the CPU handler's for every bf16 value). Three parts:
+// 0. its shortcuts against their definitions: E2m1BoundsBf16x2::of's bounds against those rounded down from
+//    E2m1Bounds(sf).of_numerator(g) (every block scale, 27 global scales), bf16_amax_over_6 against the division for
+//    every finite bf16 value >= 0;
 // 1. E2m1BoundsBf16x2::codes against E2m1Bounds::code for every bf16 bit pattern (paired with its negation's
-//    neighbour), every block scale and 27 global scales;
+//    neighbour), every block scale and the 27 global scales;
 // 2. whole groups (scale byte and data bytes): every bf16 bit pattern in groups of 16 consecutive ones, random groups
 //    of random patterns, groups of one magnitude range, groups with a NaN or an infinity, for the same global scales
 //    and two outside divides_exactly's range.
@@ -25,11 +28,41 @@ int main() {
   std::uniform_real_distribution<float> log2_g(-90.0f, 100.0f);
   for (int i = 0; i < 12; ++i) globals.push_back(std::exp2(log2_g(rng)));
 
+  // 0. the shortcuts
+  long shortcut_checks = 0;
+  for (float g : globals) {
+    for (int code = 1; code < 127; ++code) {
+      const float sf = e4m3_to_float(uint8_t(code));
+      const E2m1BoundsBf16x2 want(E2m1Bounds(sf).of_numerator(g)), got = E2m1BoundsBf16x2::of(sf, g);
+      for (int i = 0; i < 7; ++i) {
+        ++shortcut_checks;
+        if (want.bound[i] != got.bound[i] && mismatches++ < 10)
+          printf("bound mismatch: g = %a, sf code %d, bound %d: %#x, definition %#x\n", g, code, i, got.bound[i],
+                 want.bound[i]);
+      }
+    }
+  }
+  for (uint32_t v = 0; v < 0x7f80u; ++v) {  // every finite bf16 value >= 0
+    const float a = bf16_bits_to_float(uint16_t(v));
+    const float want = (a > 1e-12f ? a : 1e-12f) / 6.0f, got = bf16_amax_over_6(a);
+    ++shortcut_checks;
+    if (float_to_bits(want) != float_to_bits(got) && mismatches++ < 10)
+      printf("amax / 6 mismatch: %#x: %a, division %a\n", v, got, want);
+  }
+  for (float g : globals) {  // infinity: a finite stand-in with infinity's scale code
+    const float got = bf16_amax_over_6(HUGE_VALF);
+    ++shortcut_checks;
+    if (!(got > 0x1p124f && got < HUGE_VALF) || uint8_t(float2_to_e4m3x2_satfinite(got / g, 0.0f)) != 0x7e ||
+        nvfp4_scale_code(HUGE_VALF, g) != 0x7e) {
+      if (mismatches++ < 10) printf("amax / 6 of infinity: %a, g = %a\n", got, g);
+    }
+  }
+
   // 1. codes of every bf16 value, against the scalar search on the same (folded) bounds
   for (float g : globals) {
     for (int code = 1; code < 127; ++code) {
       const E2m1Bounds on_x = E2m1Bounds(e4m3_to_float(uint8_t(code))).of_numerator(g);
-      const E2m1BoundsBf16x2 packed(on_x);
+      const E2m1BoundsBf16x2 packed = E2m1BoundsBf16x2::of(e4m3_to_float(uint8_t(code)), g);
       for (uint32_t v = 0; v < 0x10000u; ++v) {
         if ((v & 0x7fffu) > 0x7f80u) continue;  // NaN: the group is all NaN before any code is taken
         const uint32_t partner = (v * 40503u + 0x1234u) & 0xffffu;
@@ -38,7 +71,7 @@ int main() {
         const uint32_t want_lo = on_x.code(bf16_bits_to_float(uint16_t(v)));
         const uint32_t want_hi = on_x.code(bf16_bits_to_float(uint16_t(partner)));
         checks += 2;
-        if ((c & 0xfff0fff0u) != 0 || (c & 0xfu) != want_lo || ((c >> 16) & 0xfu) != want_hi) {
+        if ((c & 0x0fff0fffu) != 0 || ((c >> 12) & 0xfu) != want_lo || (c >> 28) != want_hi) {
           if (mismatches++ < 10)
             printf("codes mismatch: g = %a, sf code %d, values %#x %#x: packed %#x, scalar %u %u\n", g, code, v, partner,
                    c, want_lo, want_hi);
@@ -93,6 +126,7 @@ int main() {
       check_group(v, g);
     }
   }
-  printf("%ld code checks, %ld group checks, %ld mismatches\n", code_checks, checks - code_checks, mismatches);
+  printf("%ld shortcut checks, %ld code checks, %ld group checks, %ld mismatches\n", shortcut_checks, code_checks,
+         checks - code_checks, mismatches);
   return mismatches ? 1 : 0;
 }
