@@ -5,6 +5,11 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#endif
+
 #include "common/host_device.h"
 #include "common/numeric.h"
 
@@ -215,15 +220,14 @@ MSA_HD uint32_t high_half_in_both(float f) {
   return h | (h << 16);
 #endif
 }
-// The E4M3 value of the code in pair's low byte (pair's bytes equal: then either byte's), as a float. One
-// cvt.rn.f16x2.e4m3x2 (exact: every E4M3 value is an f16) and one f16 -> f32 conversion on sm_89+.
+// The E4M3 value of the code in pair's low byte (pair's bytes equal: then either byte's), as a float. On the GPU
+// through f16 (exact: every E4M3 value is an f16), CUDA's conversion the decode's e4m3x2_to_f16x2 uses: one
+// cvt.rn.f16x2.e4m3x2 on sm_89+, then one f16 -> f32 conversion.
 MSA_HD float e4m3_pair_to_float(uint16_t pair) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  uint32_t h2;
-  float f;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(uint16_t(h2)));
-  return f;
+#if defined(__CUDA_ARCH__)
+  __half_raw low;
+  low.x = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair), __NV_E4M3).x;
+  return __half2float(__half(low));
 #else
   return e4m3_to_float(uint8_t(pair));
 #endif
