@@ -210,6 +210,28 @@ def test_cuda_write_kv_every_bf16_value_matches_cpu_bytes(fmt, scales):
     assert (got == want).all(), _first_mismatch(got, want)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name.lower())
+def test_cuda_write_kv_many_rows_matches_cpu_bytes(fmt):
+    """More rows than one wave of the kernel's CTAs holds (36,000 rows of Hkv = 3 against at most 132 SMs x 8 CTAs x 16
+    rows): the grid's later waves, with skipped slots among the rows; byte for byte the CPU's. (Written for the
+    forty-fifth session's pipelined loop, dropped; it passed on HEAD's modules there, in that branch's tree.)"""
+    rng = np.random.default_rng(1500 + int(fmt))
+    n, hkv, d, pages = 12000, 3, 128, 100
+    quantized = fmt != kvc.KVFormat.BF16
+    k_scale, v_scale = (0.75, 0.0371) if quantized else (None, None)
+    magnitude = lambda: 10.0 ** rng.uniform(-3.0, 3.0, (n, hkv, 1))  # a block-scale spread across rows
+    k = (rng.standard_normal((n, hkv, d)) * magnitude()).astype(ml_dtypes.bfloat16)
+    v = (rng.standard_normal((n, hkv, d)) * magnitude()).astype(ml_dtypes.bfloat16)
+    slots = _random_slots(rng, n, pages)
+    cache = _random_cache(rng, fmt, pages, hkv, d)
+    want = _expected_on_cpu(cache, k, v, slots, k_scale, v_scale)
+    gpu = _gpu()
+    got = _as_bytes(_gpu_write(k_scale, v_scale)(*(jax.device_put(jnp.asarray(x), gpu) for x in (cache, k, v, slots))))
+    assert (got == want).all(), _first_mismatch(got, want)
+    written = (slots >= 0) & (slots < pages * PAGE)
+    assert 0.7 * n < written.sum() < n
+
+
 def test_cuda_write_kv_lowers_to_the_custom_call_with_aliasing():
     cache, k, v, slots, k_scale, v_scale = _problem(kvc.KVFormat.NVFP4, 128, 4, seed=7, n=16, pages=1)
     text = _gpu_write(k_scale, v_scale).lower(cache, k, v, slots).as_text()
