@@ -41,6 +41,15 @@ MSA_HD uint16_t float_to_bf16_bits(float f) {
 
 MSA_HD float round_to_bf16(float f) { return bf16_bits_to_float(float_to_bf16_bits(f)); }
 
+// N words of two bf16 each (the first in the low half) -> their 2 N values as floats, in order.
+template <int N>
+MSA_HD void bf16_pairs_to_float(const uint32_t (&w)[N], float (&x)[2 * N]) {
+  for (int i = 0; i < N; ++i) {
+    x[2 * i] = bf16_bits_to_float(uint16_t(w[i] & 0xffffu));
+    x[2 * i + 1] = bf16_bits_to_float(uint16_t(w[i] >> 16));
+  }
+}
+
 // FP8 E4M3 (fn variant: no infinities, S.1111.111 = NaN, max finite 448, bias 7, subnormals 2^-9 * m).
 MSA_HD float e4m3_to_float(uint8_t b) {
   const uint32_t sign = uint32_t(b & 0x80u) << 24;

@@ -134,12 +134,16 @@ struct E2m1Bounds {
   }
 };
 
+// The block scale before its E4M3 rounding, max(amax_over_6 / global, 2^-9), for amax_over_6 = fl(max(amax, 1e-12) / 6).
+MSA_HD float nvfp4_unrounded_scale(float amax_over_6, float global_scale) {
+  const float s = amax_over_6 / global_scale;
+  return s > 0.001953125f ? s : 0.001953125f;
+}
+
 // The E4M3 block scale of a group whose largest magnitude is amax (not NaN): e4m3_satfinite(max((max(amax, 1e-12) / 6)
 // / global, 2^-9)).
 MSA_HD uint8_t nvfp4_scale_code(float amax, float global_scale) {
-  float s = (amax > 1e-12f ? amax : 1e-12f) / 6.0f;
-  s = s / global_scale;
-  s = s > 0.001953125f ? s : 0.001953125f;
+  const float s = nvfp4_unrounded_scale((amax > 1e-12f ? amax : 1e-12f) / 6.0f, global_scale);
   return uint8_t(float2_to_e4m3x2_satfinite(s, 0.0f));  // one instruction on sm_89+
 }
 
@@ -309,11 +313,8 @@ struct E2m1BoundsBf16x2 {
 MSA_HD uint8_t nvfp4_quantize_group_bf16x2(const uint32_t (&w)[8], float global_scale, uint32_t (&q)[2]) {
   if (!E2m1Bounds::divides_exactly(global_scale)) {
     float x[16];
+    bf16_pairs_to_float(w, x);
     uint8_t data[8];
-    for (int i = 0; i < 8; ++i) {
-      x[2 * i] = bf16_bits_to_float(uint16_t(w[i] & 0xffffu));
-      x[2 * i + 1] = bf16_bits_to_float(uint16_t(w[i] >> 16));
-    }
     const uint8_t sf_code = nvfp4_quantize_group(x, global_scale, data);
     q[0] = q[1] = 0u;
     for (int j = 0; j < 8; ++j) q[j / 4] |= uint32_t(data[j]) << (8 * (j % 4));
@@ -327,8 +328,7 @@ MSA_HD uint8_t nvfp4_quantize_group_bf16x2(const uint32_t (&w)[8], float global_
     return 0x7f;
   }
   // nvfp4_scale_code's steps, the code in both bytes of the pair
-  float s = bf16_amax_over_6(bf16_bits_to_float(uint16_t(amax_bits))) / global_scale;
-  s = s > 0.001953125f ? s : 0.001953125f;
+  const float s = nvfp4_unrounded_scale(bf16_amax_over_6(bf16_bits_to_float(uint16_t(amax_bits))), global_scale);
   const uint16_t sf_pair = float2_to_e4m3x2_satfinite(s, s);
   const E2m1BoundsBf16x2 on_x = E2m1BoundsBf16x2::of(e4m3_pair_to_float(sf_pair), global_scale);
   for (int k = 0; k < 2; ++k) {

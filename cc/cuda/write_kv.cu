@@ -42,14 +42,6 @@ __device__ __forceinline__ void load_chunk(const uint16_t* __restrict__ src, uin
   }
 }
 
-__device__ __forceinline__ void chunk_to_float(const uint32_t (&w)[8], float (&x)[kChunk]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    x[2 * i] = bf16_bits_to_float(uint16_t(w[i] & 0xffffu));
-    x[2 * i + 1] = bf16_bits_to_float(uint16_t(w[i] >> 16));
-  }
-}
-
 // Writes kWords 32-bit words (little-endian bytes) to dst; kVec: dst is aligned to min(16, 4 * kWords) bytes.
 template <bool kVec, int kWords>
 __device__ __forceinline__ void store_words(uint8_t* __restrict__ dst, const uint32_t* w) {
@@ -146,7 +138,7 @@ __global__ void __launch_bounds__(kBlockThreads) write_kv_kernel(const WriteKvPa
       store_words_if<kVec, 8>(valid, reinterpret_cast<uint8_t*>(static_cast<uint16_t*>(p.kv_cache) + elem), w);
     } else if constexpr (kFormat == KvFormat::kFp8) {
       float x[kChunk];
-      chunk_to_float(w, x);
+      bf16_pairs_to_float(w, x);
       uint32_t q[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
       for (int i = 0; i < kChunk; i += 2)
