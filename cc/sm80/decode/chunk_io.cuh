@@ -30,6 +30,28 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
       *reinterpret_cast<const cute::uint128_t*>(gmem), *reinterpret_cast<cute::uint128_t*>(smem), pred);
 }
 
+// The same copy to a shared-memory address given as the 32-bit offset into the shared window (__cvta_generic_to_shared)
+__device__ __forceinline__ void cp_async_16_shared(uint32_t smem, const void* gmem, bool pred) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(pred ? 16 : 0));
+#endif
+}
+
+// x, as a value the compiler cannot recompute: what a loop uses this way stays in a register from before the loop
+// instead of being rebuilt from the thread and block indices at every use
+template <class T>
+__device__ __forceinline__ T kept(T x) {
+  if constexpr (sizeof(T) == 8) {
+    uint64_t v = reinterpret_cast<uint64_t&>(x);
+    asm volatile("mov.b64 %0, %0;" : "+l"(v));
+    return reinterpret_cast<T&>(v);
+  } else {
+    uint32_t v = reinterpret_cast<uint32_t&>(x);
+    asm volatile("mov.b32 %0, %0;" : "+r"(v));
+    return reinterpret_cast<T&>(v);
+  }
+}
+
 // One chunk to load: keys [64 * half, 64 * half + 64) of page `page`; keys >= visible are zero-filled. The loaders take
 // it by value: read once into registers (the copies' asm would otherwise have it reloaded from shared memory).
 struct ChunkRef {
@@ -240,6 +262,47 @@ struct ChunkIO<KvFormat::kNvfp4> {
       const uint8_t* scale_src = k_slot + kv * kSlot.slot_bytes() + kSlot.data_bytes() + c.half * T::kScaleBytes + off;
       cp_async_16(stage + kv * kHalfBytes + T::kDataBytes + off, scale_src, true);
     }
+  }
+
+  // The decode loop's loads (load() above, split): what depends only on the lane and the KV head, computed once
+  // before the loop (lane_loads), and per chunk the page, the half and the stage (load_chunk).
+  struct LaneLoads {
+    const uint8_t* data;    // K data unit (lane % 4) of key key0 + lane / 4, KV head g, page 0, half 0 (V: + slot)
+    const uint8_t* scales;  // lanes < 16: their 16 scale bytes of K (lanes 0-7) or V, page 0, half 0
+    uint32_t data_dst;      // shared-window address of the data unit in stage 0
+    uint32_t scale_dst;     // ... and of the scale unit
+    int key_lane;           // the chunk key of the lane's first data copy (the second: + 8)
+  };
+
+  static __device__ __forceinline__ LaneLoads lane_loads(const uint8_t* stage0, const void* cache, int num_kv_heads,
+                                                         int g, int key0, int lane) {
+    constexpr Nvfp4Slot kSlot{kHeadDim};
+    constexpr int kScaleUnits = kWarpScaleBytes / 16;
+    const uint8_t* slot = static_cast<const uint8_t*>(cache) + kSlot.slot_offset(0, num_kv_heads, g, 0);
+    const int key_lane = key0 + (lane >> 2), unit = lane & 3;
+    const int kv = (lane / kScaleUnits) & 1, off = key0 * (kHeadDim / 16) + (lane % kScaleUnits) * 16;
+    const uint32_t stage = uint32_t(__cvta_generic_to_shared(stage0));
+    return LaneLoads{kept(slot + key_lane * (kHeadDim / 2) + unit * 16),
+                     kept(slot + kv * kSlot.slot_bytes() + kSlot.data_bytes() + off),
+                     kept(stage + uint32_t(key_lane * (kHeadDim / 2) + unit * 16)),
+                     kept(stage + uint32_t(kv * kHalfBytes + T::kDataBytes + off)), kept(key_lane)};
+  }
+
+  // load() of chunk c into the stage at `stage_offset` bytes from stage 0, through the lane's precomputed addresses
+  static __device__ __forceinline__ void load_chunk(const LaneLoads& l, int64_t page_bytes, uint32_t stage_offset,
+                                                    ChunkRef c, int lane) {
+    constexpr Nvfp4Slot kSlot{kHeadDim};
+    const int64_t page = c.page * page_bytes;
+    const uint8_t* src = l.data + page + c.half * T::kDataBytes;
+    const uint32_t dst = l.data_dst + stage_offset;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // data: K units 0-63, then V's
+      const int kv = i >> 1, j = i & 1;
+      cp_async_16_shared(dst + kv * kHalfBytes + 8 * j * (kHeadDim / 2),
+                         src + kv * kSlot.slot_bytes() + 8 * j * (kHeadDim / 2), l.key_lane + 8 * j < c.visible);
+    }
+    if (lane < 2 * (kWarpScaleBytes / 16))
+      cp_async_16_shared(l.scale_dst + stage_offset, l.scales + page + c.half * T::kScaleBytes, true);
   }
 
   // table[byte] = bf16x2(e2m1(byte & 15), e2m1(byte >> 4)); built once per CTA

@@ -198,13 +198,29 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
   // ---- 5. per-warp pipeline over the chunks; stage indices as wrapping counters (chunk c reads stage c % kStages,
   //         refills stage (c + kStages - 1) % kStages)
   int read_stage = 0, write_stage = Shape::kStages - 1;
+  // NVFP4: the loads' lane-fixed addresses computed once (ChunkIO::lane_loads); bf16 / FP8: load() at every chunk
+  constexpr bool kLaneLoads = F == KvFormat::kNvfp4;
+  const auto lane_loads = [&] {
+    if constexpr (kLaneLoads) return ChunkIO<F>::lane_loads(stages, p.kv_cache, p.num_kv_heads, g, key0, lane);
+    else return 0;
+  }();
+  const int64_t page_bytes = kLaneLoads ? kept(int64_t(2) * p.num_kv_heads * Nvfp4Slot{kHeadDim}.slot_bytes()) : 0;
+  // NVFP4 (issue-bound, registers to spare): the lane's rows and columns of a stage kept in registers; rebuilt from
+  // the thread index at every chunk, as the compiler would, they cost a dozen instructions a chunk
+  auto keep = [](int x) { return kLaneLoads ? kept(x) : x; };
+  const int lane_k = keep(lane);
+  const int row_key = keep(key0 + r0), quad = keep(lane & 3), col_key = keep(key0 + c2);
   for (int c = 0; c < n_chunks; ++c) {
     cute::cp_async_wait<Shape::kStages - 2>();
     __syncwarp();  // the warp's rows of chunk c have landed; its rows of chunk c-1's stage are free
     const int next = c + Shape::kStages - 1;
-    if (next < n_chunks)
-      ChunkIO<F>::load(stages + write_stage * Traits::kStageBytes, p.kv_cache, p.num_kv_heads, g, s_chunks[team][next],
-                       key0, lane);
+    if (next < n_chunks) {
+      if constexpr (kLaneLoads)
+        ChunkIO<F>::load_chunk(lane_loads, page_bytes, write_stage * Traits::kStageBytes, s_chunks[team][next], lane_k);
+      else
+        ChunkIO<F>::load(stages + write_stage * Traits::kStageBytes, p.kv_cache, p.num_kv_heads, g,
+                         s_chunks[team][next], key0, lane);
+    }
     cute::cp_async_fence();
     const ChunkRef ref = s_chunks[team][c];
     const uint8_t* stage = stages + read_stage * Traits::kStageBytes;
@@ -215,8 +231,8 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     if constexpr (kRegisterPath) {
       uint32_t k_regs[2][16];
-      ChunkIO<F>::row_f16(stage, ref, 0, key0 + r0, lane & 3, k_regs[0]);
-      ChunkIO<F>::row_f16(stage, ref, 0, key0 + 8 + r0, lane & 3, k_regs[1]);
+      ChunkIO<F>::row_f16(stage, ref, 0, row_key, quad, k_regs[0]);
+      ChunkIO<F>::row_f16(stage, ref, 0, row_key + 8, quad, k_regs[1]);
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
         uint32_t qa[4];
@@ -240,7 +256,7 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = key0 + nt * 8 + c2 + (e & 1);
+        const int key = col_key + nt * 8 + (e & 1);
         s[nt][e] = key < ref.visible ? s[nt][e] * row_scale[e >> 1] : -INFINITY;
       }
     }
@@ -254,8 +270,8 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
       // registers into B fragments; n-tile t holds the dims register_dim<kRegisterDims>(l, t, 0 / 1) of lane l
       // (config.h; see the epilogue)
       uint32_t v_regs[2][16];
-      ChunkIO<F>::row_f16(stage, ref, 1, key0 + r0, lane & 3, v_regs[0]);
-      ChunkIO<F>::row_f16(stage, ref, 1, key0 + 8 + r0, lane & 3, v_regs[1]);
+      ChunkIO<F>::row_f16(stage, ref, 1, row_key, quad, v_regs[0]);
+      ChunkIO<F>::row_f16(stage, ref, 1, row_key + 8, quad, v_regs[1]);
 #pragma unroll
       for (int t = 0; t < 16; ++t) mma_16x8x16<kOp>(acc[t], pa, movmatrix_t(v_regs[0][t]), movmatrix_t(v_regs[1][t]));
     } else {
