@@ -16,6 +16,7 @@
 
 #include "common/kv_format.h"
 #include "common/numeric.h"
+#include "sm80/common/kept_in_register.cuh"
 #include "sm80/common/register_pack.cuh"
 #include "sm80/decode/config.h"
 
@@ -35,21 +36,6 @@ __device__ __forceinline__ void cp_async_16_shared(uint32_t smem, const void* gm
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(pred ? 16 : 0));
 #endif
-}
-
-// x, as a value the compiler cannot recompute: what a loop uses this way stays in a register from before the loop
-// instead of being rebuilt from the thread and block indices at every use
-template <class T>
-__device__ __forceinline__ T kept(T x) {
-  if constexpr (sizeof(T) == 8) {
-    uint64_t v = reinterpret_cast<uint64_t&>(x);
-    asm volatile("mov.b64 %0, %0;" : "+l"(v));
-    return reinterpret_cast<T&>(v);
-  } else {
-    uint32_t v = reinterpret_cast<uint32_t&>(x);
-    asm volatile("mov.b32 %0, %0;" : "+r"(v));
-    return reinterpret_cast<T&>(v);
-  }
 }
 
 // One chunk to load: keys [64 * half, 64 * half + 64) of page `page`; keys >= visible are zero-filled. The loaders take
@@ -118,6 +104,7 @@ struct ChunkIO;
 template <>
 struct ChunkIO<KvFormat::kBf16> {
   static constexpr float kRegisterValueFactor = 1.0f;  // the values are the cache's (read by ldmatrix)
+  static constexpr bool kLaneLoads = false;  // the decode loop calls load() at every chunk
 
   // Copy i (0..15) of lane l: K (i < 8) or V, key key0 + 2 (i % 8) + l / 16, unit l % 16, so one source address a
   // chunk plus immediates. key0 is a multiple of 16, so the swizzle term key % 8 = (2 i + l / 16) % 8 repeats every 4
@@ -148,6 +135,7 @@ struct ChunkIO<KvFormat::kBf16> {
 // ---- FP8 E4M3: raw rows of 128 B, then e4m3 -> bf16 by bit placement and one exact multiply ------------
 template <>
 struct ChunkIO<KvFormat::kFp8> {
+  static constexpr bool kLaneLoads = false;  // the decode loop calls load() at every chunk (memory-bound there)
   // Copy i (0..7) of lane l: K (i < 4) or V, key key0 + 4 (i % 4) + l / 8, unit l % 8: one source address a chunk plus
   // immediates; the swizzle term key % 8 = (4 i + l / 8) % 8 repeats every 2 copies (key0 is a multiple of 16).
   static __device__ __forceinline__ void load(uint8_t* stage, const void* cache, int num_kv_heads, int g,
@@ -265,7 +253,10 @@ struct ChunkIO<KvFormat::kNvfp4> {
   }
 
   // The decode loop's loads (load() above, split): what depends only on the lane and the KV head, computed once
-  // before the loop (lane_loads), and per chunk the page, the half and the stage (load_chunk).
+  // before the loop (lane_loads) and kept in registers, and per chunk the page, the half and the stage
+  // (load_chunk). Rebuilt from the thread and block indices at every chunk, as the compiler would otherwise do, the
+  // addresses cost the issue-bound NVFP4 loop about 40 instructions a chunk.
+  static constexpr bool kLaneLoads = true;
   struct LaneLoads {
     const uint8_t* data;    // K data unit (lane % 4) of key key0 + lane / 4, KV head g, page 0, half 0 (V: + slot)
     const uint8_t* scales;  // lanes < 16: their 16 scale bytes of K (lanes 0-7) or V, page 0, half 0

@@ -198,15 +198,15 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
   // ---- 5. per-warp pipeline over the chunks; stage indices as wrapping counters (chunk c reads stage c % kStages,
   //         refills stage (c + kStages - 1) % kStages)
   int read_stage = 0, write_stage = Shape::kStages - 1;
-  // NVFP4: the loads' lane-fixed addresses computed once (ChunkIO::lane_loads); bf16 / FP8: load() at every chunk
-  constexpr bool kLaneLoads = F == KvFormat::kNvfp4;
+  // NVFP4 (ChunkIO::kLaneLoads): the loads' lane-fixed addresses computed once; bf16 / FP8: load() at every chunk
+  constexpr bool kLaneLoads = ChunkIO<F>::kLaneLoads;
   const auto lane_loads = [&] {
     if constexpr (kLaneLoads) return ChunkIO<F>::lane_loads(stages, p.kv_cache, p.num_kv_heads, g, key0, lane);
-    else return 0;
+    else return 0;  // unused
   }();
   const int64_t page_bytes = kLaneLoads ? kept(int64_t(2) * p.num_kv_heads * Nvfp4Slot{kHeadDim}.slot_bytes()) : 0;
-  // NVFP4 (issue-bound, registers to spare): the lane's rows and columns of a stage kept in registers; rebuilt from
-  // the thread index at every chunk, as the compiler would, they cost a dozen instructions a chunk
+  // With lane loads (issue-bound NVFP4, registers to spare) the lane's rows and columns of a stage are kept in
+  // registers too: rebuilt from the thread index at every chunk they cost another dozen instructions a chunk
   auto keep = [](int x) { return kLaneLoads ? kept(x) : x; };
   const int lane_k = keep(lane);
   const int row_key = keep(key0 + r0), quad = keep(lane & 3), col_key = keep(key0 + c2);
