@@ -251,13 +251,20 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
         mma_16x8x16<kOp>(s[1], qa, b10, b11);
       }
     }
-    // mask past the visible keys, scale to log2 units, online softmax per row
+    // scale to log2 units, mask past the visible keys (only a chunk that has such keys: the test is warp-uniform),
+    // online softmax per row
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = col_key + nt * 8 + (e & 1);
-        s[nt][e] = key < ref.visible ? s[nt][e] * row_scale[e >> 1] : -INFINITY;
+      for (int e = 0; e < 4; ++e) s[nt][e] *= row_scale[e >> 1];
+    }
+    if (ref.visible < kChunkKeys) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (col_key + nt * 8 + (e & 1) >= ref.visible) s[nt][e] = -INFINITY;
+        }
       }
     }
     float alpha[2];
