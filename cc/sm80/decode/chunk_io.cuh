@@ -279,12 +279,14 @@ struct ChunkIO<KvFormat::kNvfp4> {
                      kept(stage + uint32_t(kv * kHalfBytes + T::kDataBytes + off)), kept(key_lane)};
   }
 
-  // load() of chunk c into the stage at `stage_offset` bytes from stage 0, through the lane's precomputed addresses
-  static __device__ __forceinline__ void load_chunk(const LaneLoads& l, int64_t page_bytes, uint32_t stage_offset,
+  // load() of chunk c into the stage at `stage_offset` bytes from stage 0, through the lane's precomputed addresses.
+  // page_bytes < 2^32 (2 x num_kv_heads slots of 9 KB) and c.page (a block-table entry, int32) as 32-bit factors of
+  // one wide multiply
+  static __device__ __forceinline__ void load_chunk(const LaneLoads& l, uint32_t page_bytes, uint32_t stage_offset,
                                                     ChunkRef c, int lane) {
     constexpr Nvfp4Slot kSlot{kHeadDim};
-    const int64_t page = c.page * page_bytes;
-    const uint8_t* src = l.data + page + c.half * T::kDataBytes;
+    const uint64_t page = uint64_t(uint32_t(c.page)) * page_bytes;
+    const uint8_t* src = l.data + page + uint32_t(c.half * T::kDataBytes);
     const uint32_t dst = l.data_dst + stage_offset;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // data: K units 0-63, then V's
@@ -293,7 +295,7 @@ struct ChunkIO<KvFormat::kNvfp4> {
                          src + kv * kSlot.slot_bytes() + 8 * j * (kHeadDim / 2), l.key_lane + 8 * j < c.visible);
     }
     if (lane < 2 * (kWarpScaleBytes / 16))
-      cp_async_16_shared(l.scale_dst + stage_offset, l.scales + page + c.half * T::kScaleBytes, true);
+      cp_async_16_shared(l.scale_dst + stage_offset, l.scales + page + uint32_t(c.half * T::kScaleBytes), true);
   }
 
   // table[byte] = bf16x2(e2m1(byte & 15), e2m1(byte >> 4)); built once per CTA

@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
     if constexpr (kLaneLoads) return ChunkIO<F>::lane_loads(stages, p.kv_cache, p.num_kv_heads, g, key0, lane);
     else return 0;  // unused
   }();
-  const int64_t page_bytes = kLaneLoads ? kept(int64_t(2) * p.num_kv_heads * Nvfp4Slot{kHeadDim}.slot_bytes()) : 0;
+  const uint32_t page_bytes = kLaneLoads ? kept(uint32_t(2 * p.num_kv_heads * Nvfp4Slot{kHeadDim}.slot_bytes())) : 0;
   // With lane loads (issue-bound NVFP4, registers to spare) the lane's rows and columns of a stage are kept in
   // registers too: rebuilt from the thread index at every chunk they cost another dozen instructions a chunk
   auto keep = [](int x) { return kLaneLoads ? kept(x) : x; };
