@@ -77,3 +77,43 @@ def test_decode_timeline_only_in_its_build(fmt, tmp_path):
     assert len(re.findall(r"SR_GLOBALTIMERLO", sass)) == 9 + 6 * teams
     assert len(re.findall(r"SR_CLOCKLO", sass)) == 7 + 4 * teams
     assert_no_spills(log)
+
+
+def main_loop(sass, kernel):
+    """The SASS instructions of `kernel`'s chunk loop: the shortest backward branch whose body holds the MMAs."""
+    text = sass.split(f".text.{kernel}:", 1)[1].split("\n.text.", 1)[0]
+    instructions, labels = [], {}
+    for line in text.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        op = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if op:
+            instructions.append(op.group(1))
+    best = None
+    for end, ins in enumerate(instructions):
+        target = re.search(r"BRA\s+(?:\S+\s+)?`?\(?(\.L_x_\d+)", ins)
+        start = labels.get(target.group(1), end) if target else end
+        if start < end and any("HMMA" in x for x in instructions[start:end]):
+            if best is None or end - start < best[1] - best[0]:
+                best = (start, end)
+    assert best is not None, f"no loop with MMAs in {kernel}"
+    return instructions[best[0]:best[1] + 1]
+
+
+def test_decode_nvfp4_loop_keeps_lane_addresses(tmp_path):
+    """The NVFP4 loop (issue-bound) takes its lane-fixed addresses from registers set before the loop (ChunkIO's
+    lane_loads, kept()): no special-register read and no generic-to-shared conversion inside the loop of any of its
+    kernels (NVVM would otherwise rebuild them from %tid.x / %ctaid.y at every chunk, ~40 instructions), its 5 copies a
+    chunk (4 data units, 1 scale unit) and its 32 MMAs; at most 560 instructions (555 / 542 / 541 when written)."""
+    sass, _ = sass_tools.compile_unit(sass_tools.tools(), "sm80/decode/decode_nvfp4.cu", "sm_90a", tmp_path)
+    kernels = sorted(set(re.findall(r"\.text\.(\S*sparse_decode_kernel\S*):", sass)))
+    assert len(kernels) == len(LAYOUTS["nvfp4"])
+    for kernel in kernels:
+        loop = main_loop(sass, kernel)
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in loop]
+        assert not [x for x in ops if x.startswith(("S2R", "S2UR"))], kernel
+        assert sum(op.startswith("LDGSTS") for op in ops) == 5, kernel
+        assert sum(op.startswith("HMMA") for op in ops) == 32, kernel
+        assert len(loop) <= 560, (kernel, len(loop))
