@@ -11,9 +11,6 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include <cute/arch/copy_sm80.hpp>
-#include <cute/numeric/numeric_types.hpp>
-
 #include "common/kv_format.h"
 #include "common/numeric.h"
 #include "sm80/common/kept_in_register.cuh"
@@ -26,16 +23,17 @@ namespace jax_msa::sm80::decode {
 // index is XORed with key % 8 so that ldmatrix's 8 row addresses hit 8 different bank groups.
 __device__ __forceinline__ int swizzled_offset(int key, int unit) { return key * kBf16RowBytes + ((unit ^ (key & 7)) << 4); }
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
-  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-      *reinterpret_cast<const cute::uint128_t*>(gmem), *reinterpret_cast<cute::uint128_t*>(smem), pred);
-}
-
-// The same copy to a shared-memory address given as the 32-bit offset into the shared window (__cvta_generic_to_shared)
+// 16 bytes global -> shared (cp.async.cg: through L2 only), zero-filled without reading when !pred; the shared
+// destination as its 32-bit address in the shared window (__cvta_generic_to_shared)
 __device__ __forceinline__ void cp_async_16_shared(uint32_t smem, const void* gmem, bool pred) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(pred ? 16 : 0));
 #endif
+}
+
+// The same through a generic pointer into shared memory
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
+  cp_async_16_shared(uint32_t(__cvta_generic_to_shared(smem)), gmem, pred);
 }
 
 // One chunk to load: keys [64 * half, 64 * half + 64) of page `page`; keys >= visible are zero-filled. The loaders take
@@ -262,6 +260,7 @@ struct ChunkIO<KvFormat::kNvfp4> {
     const uint8_t* scales;  // lanes < 16: their 16 scale bytes of K (lanes 0-7) or V, page 0, half 0
     uint32_t data_dst;      // shared-window address of the data unit in stage 0
     uint32_t scale_dst;     // ... and of the scale unit
+    uint32_t page_bytes;    // a page: 2 x num_kv_heads slots of 9 KB (< 2^32)
     int key_lane;           // the chunk key of the lane's first data copy (the second: + 8)
   };
 
@@ -276,16 +275,15 @@ struct ChunkIO<KvFormat::kNvfp4> {
     return LaneLoads{kept(slot + key_lane * (kHeadDim / 2) + unit * 16),
                      kept(slot + kv * kSlot.slot_bytes() + kSlot.data_bytes() + off),
                      kept(stage + uint32_t(key_lane * (kHeadDim / 2) + unit * 16)),
-                     kept(stage + uint32_t(kv * kHalfBytes + T::kDataBytes + off)), kept(key_lane)};
+                     kept(stage + uint32_t(kv * kHalfBytes + T::kDataBytes + off)),
+                     kept(uint32_t(2 * num_kv_heads * kSlot.slot_bytes())), kept(key_lane)};
   }
 
-  // load() of chunk c into the stage at `stage_offset` bytes from stage 0, through the lane's precomputed addresses.
-  // page_bytes < 2^32 (2 x num_kv_heads slots of 9 KB) and c.page (a block-table entry, int32) as 32-bit factors of
-  // one wide multiply
-  static __device__ __forceinline__ void load_chunk(const LaneLoads& l, uint32_t page_bytes, uint32_t stage_offset,
-                                                    ChunkRef c, int lane) {
+  // load() of chunk c into the stage at `stage_offset` bytes from stage 0, through the lane's precomputed addresses;
+  // c.page (a block-table entry, int32) and page_bytes as 32-bit factors of one wide multiply
+  static __device__ __forceinline__ void load_chunk(const LaneLoads& l, uint32_t stage_offset, ChunkRef c, int lane) {
     constexpr Nvfp4Slot kSlot{kHeadDim};
-    const uint64_t page = uint64_t(uint32_t(c.page)) * page_bytes;
+    const uint64_t page = uint64_t(uint32_t(c.page)) * l.page_bytes;
     const uint8_t* src = l.data + page + uint32_t(c.half * T::kDataBytes);
     const uint32_t dst = l.data_dst + stage_offset;
 #pragma unroll

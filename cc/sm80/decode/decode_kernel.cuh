@@ -204,7 +204,6 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
     if constexpr (kLaneLoads) return ChunkIO<F>::lane_loads(stages, p.kv_cache, p.num_kv_heads, g, key0, lane);
     else return 0;  // unused
   }();
-  const uint32_t page_bytes = kLaneLoads ? kept(uint32_t(2 * p.num_kv_heads * Nvfp4Slot{kHeadDim}.slot_bytes())) : 0;
   // With lane loads (issue-bound NVFP4, registers to spare) the lane's rows and columns of a stage are kept in
   // registers too: rebuilt from the thread index at every chunk they cost another dozen instructions a chunk
   auto keep = [](int x) { return kLaneLoads ? kept(x) : x; };
@@ -216,7 +215,7 @@ __global__ void __launch_bounds__(CtaShape<F, L>::kThreadsPerCta, register_budge
     const int next = c + Shape::kStages - 1;
     if (next < n_chunks) {
       if constexpr (kLaneLoads)
-        ChunkIO<F>::load_chunk(lane_loads, page_bytes, write_stage * Traits::kStageBytes, s_chunks[team][next], lane_k);
+        ChunkIO<F>::load_chunk(lane_loads, write_stage * Traits::kStageBytes, s_chunks[team][next], lane_k);
       else
         ChunkIO<F>::load(stages + write_stage * Traits::kStageBytes, p.kv_cache, p.num_kv_heads, g,
                          s_chunks[team][next], key0, lane);
