@@ -104,9 +104,9 @@ def main_loop(sass, kernel):
 
 def test_decode_nvfp4_loop_keeps_lane_addresses(tmp_path):
     """The NVFP4 loop (issue-bound) takes its lane-fixed addresses from registers set before the loop (ChunkIO's
-    lane_loads, kept()): no special-register read and no generic-to-shared conversion inside the loop of any of its
-    kernels (NVVM would otherwise rebuild them from %tid.x / %ctaid.y at every chunk, ~40 instructions), its 5 copies a
-    chunk (4 data units, 1 scale unit) and its 32 MMAs; at most 560 instructions (555 / 542 / 541 when written)."""
+    lane_loads, kept()): no special-register read (S2R / S2UR) inside the loop of any of its kernels (NVVM would
+    otherwise rebuild them from %tid.x / %ctaid.y at every chunk, ~40 instructions), its 5 copies a chunk (4 data
+    units, 1 scale unit) and its 32 MMAs; at most 560 instructions (555 / 542 / 541 when written)."""
     sass, _ = sass_tools.compile_unit(sass_tools.tools(), "sm80/decode/decode_nvfp4.cu", "sm_90a", tmp_path)
     kernels = sorted(set(re.findall(r"\.text\.(\S*sparse_decode_kernel\S*):", sass)))
     assert len(kernels) == len(LAYOUTS["nvfp4"])
