@@ -5,11 +5,12 @@
 #   bash .ci/gpu_run.sh [stage ...]   stages: build info test test_decode test_prefill test_off test_pipelined
 #                                     test_warp_mma test_natural_order sanitize bench profile compare
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
-#                                     test takes ~12 on an H100 (170 tests, twenty-eighth session: test_decode
-#                                     120 in ~5.5, test_prefill 50 in ~6.5; on the H200, thirty-second session:
-#                                     test_decode's 151 more than 7.3, test_prefill 7.8; on an H100, thirty-third
-#                                     session: test_decode's 164 in 7.1); so run them in separate calls, and the
-#                                     default list no longer fits one call),
+#                                     on an H100, test_decode's 210 tests took 136 s (forty-seventh session),
+#                                     test_prefill's 50 205 s and test_warp_mma's 50 198 s (forty-fifth), so test (~340 s) fits
+#                                     one call, test + test_warp_mma only just; run as three processes at once
+#                                     they took longer, ~585 s (forty-ninth session), so that does not help;
+#                                     on the H200, thirty-second session, test_decode's then 151 took over
+#                                     7.3 minutes and test_prefill 7.8, before the tests' references were jitted),
 #                                     test_off + test_pipelined ~4, sanitize ~3: one process a test)
 #
 #   build     dist/*.whl present: install that wheel into /tmp/site; otherwise build in-tree with
