@@ -1,6 +1,7 @@
 """examples/bench: bench_decode.py's distinct-block share for q_len > 1 (its bandwidth over distinct blocks) is the
 expectation of the top-k rows its own generator draws; the ncu timing scripts flush the caches unless told not to;
-plan_completion.py's schedules cover every plan edge once, in tiles the plan could hold."""
+plan_completion.py's schedules cover every plan edge once, in tiles the plan could hold; shared_blocks.py counts the
+plan's edges and, per tile, what a brute-force count over token sets gives."""
 
 from __future__ import annotations
 
@@ -79,6 +80,46 @@ def test_plan_completion_schedules_cover_every_edge_once():
     done, first = plan_completion.completion(hkv, n, g, np.asarray(plan.edge_query)[g, edge],
                                              plan_completion.round_robin_times(n_items, 7, 3)[item])
     assert ((done > 0) == (counts > 0)).all() and (first[counts > 0] <= done[counts > 0]).all()
+
+
+def test_shared_blocks_counts_the_plan_edges_and_matches_a_brute_force_count():
+    import jax
+    import jax.numpy as jnp
+    import shared_blocks
+
+    import jax_msa
+
+    n, hkv = 1000, 2
+    topk = shared_blocks.make_topk(np.random.default_rng(2), n, hkv)
+    topk[0, 5, 3] = topk[0, 5, 4]  # a duplicate,
+    topk[1, 900, 2] = 7  # an id past the token's own block (7 * 128 > 900),
+    topk[1, 901, 5] = -1  # a hole: none of them an edge
+    cu, sl = jnp.array([0, n], jnp.int32), jnp.array([n], jnp.int32)
+    plan = jax.jit(lambda t: jax_msa.build_prefill_plan(t, cu, sl, max_blocks=8))(jnp.asarray(topk))
+    row_ptr, edge_query = np.asarray(plan.row_ptr), np.asarray(plan.edge_query)
+    sets = []
+    for g in range(hkv):
+        plan_pairs = {(int(edge_query[g, e]), r) for r in range(8) for e in range(row_ptr[g, r], row_ptr[g, r + 1])}
+        tok, blk = shared_blocks.selected_pairs(topk[g])
+        assert sorted(zip(tok.tolist(), blk.tolist())) == sorted(plan_pairs)
+        sets.append([{b for (t, b) in plan_pairs if t == q} for q in range(n)])
+
+    for tile, share in [(7, 1.0), (7, 0.5), (128, 0.75)]:  # 1000 / 7: the last tile holds 6 tokens
+        edges = partials = shared_pairs = masked = 0
+        for g in range(hkv):
+            for t0 in range(0, n, tile):
+                toks = range(t0, min(n, t0 + tile))
+                count = {}
+                for q in toks:
+                    for b in sets[g][q]:
+                        count[b] = count.get(b, 0) + 1
+                shared = {b for b, c in count.items() if c >= share * len(toks)}
+                shared_pairs += len(shared)
+                masked += sum(len(toks) - count[b] for b in shared)
+                for q in toks:
+                    edges += len(sets[g][q])
+                    partials += bool(sets[g][q] & shared) + len(sets[g][q] - shared)
+        assert shared_blocks.count_lever(topk, tile, share) == (edges, partials, shared_pairs, masked)
 
 
 def test_decode_timeline_reads_the_workspace_layout():
