@@ -6,11 +6,12 @@
 #                                     test_warp_mma test_natural_order sanitize bench profile compare
 #                                     (default: build info test bench; one device call runs at most 10 minutes:
 #                                     on an H100, test_decode's 210 tests took 136 s (forty-seventh session),
-#                                     test_prefill's 50 205 s and test_warp_mma's 50 198 s (forty-fifth), so test (~340 s) fits
-#                                     one call, test + test_warp_mma only just; run as three processes at once
-#                                     they took longer, ~585 s (forty-ninth session), so that does not help;
-#                                     on the H200, thirty-second session, test_decode's then 151 took over
-#                                     7.3 minutes and test_prefill 7.8, before the tests' references were jitted),
+#                                     test_prefill's 50 205 s and test_warp_mma's 50 198 s (forty-fifth), so
+#                                     test (~340 s) fits one call, test + test_warp_mma only just; run as three
+#                                     processes at once they took longer, ~585 s (forty-ninth session), so that
+#                                     does not help; on the H200, thirty-second session, test_decode's then 151
+#                                     took over 7.3 minutes and test_prefill 7.8, before the tests' references
+#                                     were jitted (thirty-eighth session)),
 #                                     test_off + test_pipelined ~4, sanitize ~3: one process a test)
 #
 #   build     dist/*.whl present: install that wheel into /tmp/site; otherwise build in-tree with

@@ -92,7 +92,8 @@ def test_shared_blocks_counts_the_plan_edges_and_matches_a_brute_force_count():
     n, hkv = 1000, 2
     topk = shared_blocks.make_topk(np.random.default_rng(2), n, hkv)
     topk[0, 5, 3] = topk[0, 5, 4]  # a duplicate,
-    topk[1, 900, 2] = 7  # an id past the token's own block (7 * 128 > 900),
+    topk[1, 300, 2] = 5  # a block after the token's own (5 * 128 > 300),
+    topk[1, 901, 4] = 8  # an id past the request's 8 blocks,
     topk[1, 901, 5] = -1  # a hole: none of them an edge
     cu, sl = jnp.array([0, n], jnp.int32), jnp.array([n], jnp.int32)
     plan = jax.jit(lambda t: jax_msa.build_prefill_plan(t, cu, sl, max_blocks=8))(jnp.asarray(topk))
