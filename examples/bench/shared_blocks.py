@@ -20,7 +20,7 @@ to 16) keeps a popular block for 70-78% of the later tokens (32k), drawn for eac
 blocks beyond the local one need a share threshold below 1; a real indexer's neighbouring tokens agree more, which
 this top-k does not model.
 
-    python examples/bench/shared_blocks.py                                  # 32k, 64/4 (about a minute)
+    python examples/bench/shared_blocks.py                                  # 32k, 64/4 (seconds)
     python examples/bench/shared_blocks.py --tokens 131072 --tile 8 --tile 64 --share 0.5
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from bench_prefill import D, K, make_topk
 
-PAGE = 128
+from jax_msa.reference import PAGE_SIZE as PAGE
 PARTIAL_BYTES_PER_QUERY_HEAD = 2 * D + 4  # bf16 O row + fp32 lse
 
 
