@@ -31,6 +31,7 @@ import numpy as np
 from bench_prefill import D, K, make_topk
 
 from jax_msa.reference import PAGE_SIZE as PAGE
+
 PARTIAL_BYTES_PER_QUERY_HEAD = 2 * D + 4  # bf16 O row + fp32 lse
 
 
