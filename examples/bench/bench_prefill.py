@@ -76,6 +76,19 @@ def make_cache(fmt, blocks, hkv):
     return jax.jit(jax_msa.write_kv)(cache, k, v, jnp.arange(blocks * 128, dtype=jnp.int32))
 
 
+def make_inputs(n, hq, hkv, fmt="BF16"):
+    """The benchmark's problem: one request of n new tokens over a contiguous cache of random keys and values in `fmt`,
+    random bf16 queries and make_topk's selection (seed 0). Returns topk_np (the [hkv, n, K] numpy ids) and the call's
+    array arguments (q, cache, topk, cu_seqlens_q, seq_lens, block_table)."""
+    blocks = -(-n // 128)
+    topk_np = make_topk(np.random.default_rng(0), n, hkv)
+    q = jax.random.normal(jax.random.PRNGKey(0), (n, hq, D), jnp.bfloat16)
+    cache = make_cache(fmt, blocks, hkv)
+    cu, seq = jnp.asarray([0, n], jnp.int32), jnp.asarray([n], jnp.int32)
+    bt = jnp.arange(blocks, dtype=jnp.int32)[None]
+    return topk_np, (q, cache, jnp.asarray(topk_np), cu, seq, bt)
+
+
 def temp_gb(fn, args):
     """XLA's temporary buffers of the compiled fn (the partial workspace among them), GB; None if not reported."""
     try:
@@ -85,15 +98,8 @@ def temp_gb(fn, args):
 
 
 def bench(n, hq, hkv, repeats, dense, fmt="BF16", work_order="row", partial_order=None, query_chunk=None):
-    rng = np.random.default_rng(0)
     blocks = -(-n // 128)
-    topk_np = make_topk(rng, n, hkv)
-    q = jax.random.normal(jax.random.PRNGKey(0), (n, hq, D), jnp.bfloat16)
-    cache = make_cache(fmt, blocks, hkv)
-    topk = jnp.asarray(topk_np)
-    cu = jnp.asarray([0, n], jnp.int32)
-    seq = jnp.asarray([n], jnp.int32)
-    bt = jnp.arange(blocks, dtype=jnp.int32)[None]
+    topk_np, (q, cache, topk, cu, seq, bt) = make_inputs(n, hq, hkv, fmt)
     qpt = default_queries_per_tile(hq, hkv)
     plan_fn = jax.jit(lambda t, c, s: jax_msa.build_prefill_plan(t, c, s, max_blocks=blocks, queries_per_tile=qpt,
                                                                  work_order=work_order))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_msa
-from bench_prefill import D, PEAK, make_cache, make_topk, useful_flops
+from bench_prefill import PEAK, make_inputs, useful_flops
 from jax_msa.plan import default_queries_per_tile
 from timing import median_p10_p90
 
@@ -52,11 +52,7 @@ def main():
     n = a.tokens
     hq, hkv = (int(x) for x in a.heads.split("/"))
     blocks = -(-n // 128)
-    topk_np = make_topk(np.random.default_rng(0), n, hkv)
-    q = jax.random.normal(jax.random.PRNGKey(0), (n, hq, D), jnp.bfloat16)
-    cache = make_cache("BF16", blocks, hkv)
-    topk, cu, seq = jnp.asarray(topk_np), jnp.asarray([0, n], jnp.int32), jnp.asarray([n], jnp.int32)
-    bt = jnp.arange(blocks, dtype=jnp.int32)[None]
+    topk_np, (q, cache, topk, cu, seq, bt) = make_inputs(n, hq, hkv)
     build = jax.jit(lambda t, c, s, order: jax_msa.build_prefill_plan(
         t, c, s, max_blocks=blocks, queries_per_tile=default_queries_per_tile(hq, hkv), work_order=order),
         static_argnums=3)

@@ -32,22 +32,14 @@ from timing import median_p10_p90
 
 def problem(n, heads, fmt):
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     import jax_msa
-    from bench_prefill import D, default_queries_per_tile, make_cache, make_topk
+    from bench_prefill import default_queries_per_tile, make_inputs
 
     hq, hkv = (int(x) for x in heads.split("/"))
-    blocks = -(-n // 128)
-    topk = jnp.asarray(make_topk(np.random.default_rng(0), n, hkv))
-    q = jax.random.normal(jax.random.PRNGKey(0), (n, hq, D), jnp.bfloat16)
-    cache = make_cache(fmt, blocks, hkv)
-    cu = jnp.asarray([0, n], jnp.int32)
-    seq = jnp.asarray([n], jnp.int32)
-    bt = jnp.arange(blocks, dtype=jnp.int32)[None]
+    _, (q, cache, topk, cu, seq, bt) = make_inputs(n, hq, hkv, fmt)
     plan = jax.jit(lambda t, c, s: jax_msa.build_prefill_plan(
-        t, c, s, max_blocks=blocks, queries_per_tile=default_queries_per_tile(hq, hkv)))(topk, cu, seq)
+        t, c, s, max_blocks=bt.shape[1], queries_per_tile=default_queries_per_tile(hq, hkv)))(topk, cu, seq)
     attn = jax.jit(lambda q, c, t, cu, s, b, p: jax_msa.sparse_attention(
         q, c, t, cu_seqlens_q=cu, seq_lens=s, block_table=b, plan=p, impl="kernel"))
     args = (q, cache, topk, cu, seq, bt, plan)
